@@ -1,0 +1,147 @@
+"""`ane-spec`: argument parsing only. Every subcommand calls a plain function the tests also call."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from ane_spec.errors import AneSpecError
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _parse_tokens(text: str) -> list[int]:
+    try:
+        tokens = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not tokens:
+        raise argparse.ArgumentTypeError("expected at least one token id")
+    return tokens
+
+
+# --- model contract -------------------------------------------------------------------------
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from ane_spec.model.gguf_file import open_gguf
+    from ane_spec.model.inspect import describe, format_description
+
+    d = describe(open_gguf(args.gguf))
+    print(json.dumps(d, indent=2) if args.json else format_description(d))
+    return 0
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from ane_spec.model.gguf_file import open_gguf
+    from ane_spec.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_data(open_gguf(args.gguf).tokenizer_data)
+    print(json.dumps(tok.encode(args.text, special=args.special)))
+    return 0
+
+
+def cmd_logits(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from ane_spec.model.gguf_file import open_gguf
+
+    if args.gguf is None:
+        raise AneSpecError("logits needs a GGUF file (reference) or --manifest (built artifacts)")
+    from ane_spec.model.reference import ReferenceModel
+
+    model = ReferenceModel(open_gguf(args.gguf), context_window=args.context)
+    logits = model.logits(args.tokens)
+    np.save(args.out, logits.astype(np.float32))
+    print(f"wrote {args.out}: logits {logits.shape[0]} x {logits.shape[1]} (reference, "
+          f"{model.rope.factor_set} RoPE factors, context {args.context})", file=sys.stderr)
+    return 0
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from ane_spec.model.synthetic import preset, write_synthetic_gguf
+
+    spec = preset(args.preset, num_layers=args.layers, hidden_size=args.hidden,
+                  num_heads=args.heads, num_kv_heads=args.kv_heads, ffn_size=args.ffn,
+                  vocab_size=args.vocab, rope_dims=args.rope_dims, embed_std=args.embed_std,
+                  branch_scale=args.branch_scale, weight_type=args.weights, seed=args.seed,
+                  tied_embeddings=False if args.untied else None)
+    with tqdm(desc=f"writing {args.out}", unit="tensor", disable=args.quiet) as bar:
+        def progress(name: str, done: int, total: int) -> None:
+            bar.total = total
+            bar.set_postfix_str(name, refresh=False)
+            bar.update(done - bar.n)
+
+        path = write_synthetic_gguf(args.out, spec, progress)
+    print(f"wrote {path} ({path.stat().st_size / 1e6:,.1f} MB, "
+          f"{spec.to_config().num_parameters() / 1e6:,.1f}M params, random weights)")
+    return 0
+
+
+# --- parser -----------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ane-spec",
+        description="Phi-4-mini on the Apple Neural Engine: build shards, prove them, serve them.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("inspect", help="print a GGUF file's config, tensors and tokenizer facts")
+    p.add_argument("gguf")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(handler=cmd_inspect)
+
+    p = sub.add_parser("tokenize", help="print the token ids of a text as a JSON list")
+    p.add_argument("gguf")
+    p.add_argument("--text", required=True)
+    p.add_argument("--special", action="store_true",
+                   help="parse special tokens such as <|user|> written in the text")
+    p.set_defaults(handler=cmd_tokenize)
+
+    p = sub.add_parser("logits", help="dump float32 logits [T, vocab] for a token list")
+    p.add_argument("gguf", nargs="?", help="GGUF file: logits from the reference forward pass")
+    p.add_argument("--tokens", required=True, type=_parse_tokens, help="e.g. 1,2,3")
+    p.add_argument("--context", type=int, default=4096,
+                   help="context window; above the original 4096 the long RoPE factors apply")
+    p.add_argument("--out", required=True, help="output .npy file")
+    p.set_defaults(handler=cmd_logits)
+
+    p = sub.add_parser("synth", help="write a synthetic GGUF with the exact Phi-4-mini layout")
+    p.add_argument("out")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "phi4-mini"])
+    p.add_argument("--layers", type=int)
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--kv-heads", type=int)
+    p.add_argument("--ffn", type=int)
+    p.add_argument("--vocab", type=int)
+    p.add_argument("--rope-dims", type=int)
+    p.add_argument("--embed-std", type=float,
+                   help="token embedding std (0.05 default keeps greedy output varied; "
+                        "1.0 with --branch-scale 1 is well conditioned for llama.cpp comparisons)")
+    p.add_argument("--branch-scale", type=float, help="scale of attn_output/ffn_down weights")
+    p.add_argument("--weights", choices=["q8_0", "f16", "bf16"], help="matrix storage type")
+    p.add_argument("--untied", action="store_true", help="write a separate output.weight")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(handler=cmd_synth)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except AneSpecError as exc:
+        print(f"ane-spec {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""A human- and machine-readable summary of a GGUF file (`ane-spec inspect`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from ane_spec.model.gguf_file import GGUFModel
+from ane_spec.model.tokenizer import Tokenizer
+
+
+def describe(model: GGUFModel) -> dict[str, Any]:
+    tok = Tokenizer.from_data(model.tokenizer_data)
+    types = Counter(t.type_name for t in model.tensors.values())
+    data = model.tokenizer_data
+    return {
+        "path": str(model.path),
+        "file_bytes": model.path.stat().st_size,
+        "config": model.config.model_dump(),
+        "parameters": model.config.num_parameters(),
+        "tensors": {"count": len(model.tensors), "types": dict(sorted(types.items())),
+                    "bytes": sum(t.nbytes for t in model.tensors.values())},
+        "tokenizer": {
+            "model": data.model, "pre": data.pre, "vocab_size": tok.vocab_size,
+            "merges": len(data.merges),
+            "special_tokens": sum(1 for t in data.token_types if t in (3, 4)),
+            "eog_ids": sorted(tok.eog_ids),
+            "chat_template": "from GGUF" if data.chat_template else "built-in Phi-4-mini",
+        },
+    }
+
+
+def format_description(d: dict[str, Any]) -> str:
+    c = d["config"]
+    lines = [
+        f"{d['path']}  ({d['file_bytes'] / 1e6:,.1f} MB, {d['parameters'] / 1e9:.3f}B params)",
+        f"  layers {c['num_layers']}, hidden {c['hidden_size']}, heads {c['num_heads']}/"
+        f"{c['num_kv_heads']} kv, head_dim {c['head_dim']}, rotary {c['rope_dims']}, "
+        f"ffn {c['ffn_size']}, vocab {c['vocab_size']}",
+        f"  context {c['context_length']} (original {c['original_context_length']}), "
+        f"rope base {c['rope_freq_base']:g}, attn factor {c['rope_attn_factor']:.7f}, "
+        f"rms eps {c['rms_eps']:g}, {'tied' if c['tied_embeddings'] else 'separate'} LM head",
+        f"  tensors: {d['tensors']['count']} "
+        + ", ".join(f"{k} x{v}" for k, v in d["tensors"]["types"].items())
+        + f", {d['tensors']['bytes'] / 1e6:,.1f} MB",
+    ]
+    t = d["tokenizer"]
+    lines.append(f"  tokenizer: {t['model']}/{t['pre']}, {t['vocab_size']} tokens, "
+                 f"{t['merges']} merges, {t['special_tokens']} special, eog {t['eog_ids']}, "
+                 f"chat template {t['chat_template']}")
+    return "\n".join(lines)

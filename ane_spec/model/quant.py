@@ -1,0 +1,49 @@
+"""Q8_0 blocks as numpy views, plus the few element types a Phi-4-mini GGUF uses.
+
+A Q8_0 row of n values is n/32 blocks of 34 bytes: an fp16 scale `d` then 32 int8 `qs`, and
+value = d * qs[j]. Viewing the raw bytes through a structured dtype gives the scales and the
+int8 values without copying anything out of the memmap.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+Q8_0_BLOCK = 32
+Q8_0_BLOCK_BYTES = 34
+Q8_0_DTYPE = np.dtype([("d", "<f2"), ("qs", "i1", (Q8_0_BLOCK,))])
+
+
+def q8_0_blocks(raw: np.ndarray, in_features: int) -> np.ndarray:
+    """View raw bytes `[rows, row_bytes]` as structured blocks `[rows, in/32]` (no copy)."""
+    n_blocks = in_features // Q8_0_BLOCK
+    rows = raw.reshape(-1, n_blocks * Q8_0_BLOCK_BYTES)
+    return rows.view(Q8_0_DTYPE).reshape(rows.shape[0], n_blocks)
+
+
+def q8_0_dequantize(qs: np.ndarray, scales: np.ndarray, dtype: np.dtype = np.float32) -> np.ndarray:
+    """Blocked int8 `[rows, nb, 32]` and fp16 scales `[rows, nb]` -> `[rows, nb*32]`."""
+    values = qs.astype(dtype) * scales.astype(dtype)[..., None]
+    return values.reshape(qs.shape[0], -1)
+
+
+def q8_0_quantize(values: np.ndarray) -> np.ndarray:
+    """Quantize float rows `[rows, n]` to Q8_0 bytes `[rows, n/32*34]` as ggml does.
+
+    ggml's reference: d = amax / 127, qs = round(x / d); the stored d is fp16 and the division
+    uses the unrounded d, exactly what gguf-py's `quantize` does too (checked in the tests).
+    """
+    rows, n = values.shape
+    blocks = values.astype(np.float32, copy=False).reshape(rows, n // Q8_0_BLOCK, Q8_0_BLOCK)
+    d = np.abs(blocks).max(axis=-1) / 127.0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.where(d == 0, 0.0, 1.0 / d).astype(np.float32)
+    out = np.empty((rows, n // Q8_0_BLOCK), dtype=Q8_0_DTYPE)
+    out["d"] = d.astype(np.float16)
+    out["qs"] = np.round(blocks * inv[..., None]).astype(np.int8)
+    return out.view(np.uint8).reshape(rows, -1)
+
+
+def bf16_to_float32(raw: np.ndarray) -> np.ndarray:
+    """bf16 is the top half of an fp32, so widening is a shift."""
+    return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)

@@ -1,0 +1,174 @@
+"""The reference forward pass: llama.cpp's `phi3` graph in plain torch.
+
+This is the oracle every shard is checked against, so it shares nothing with the compiler except
+the model contract (config, tensors, RoPE tables). It is written for clarity, not speed.
+
+    h = token_embd[tokens]
+    for each layer:
+        a = rmsnorm(h, attn_norm); q, k, v = split(a @ attn_qkv.T)
+        q, k = rope(q), rope(k)                      # first rope_dims of each head, NEOX halves
+        h = h + attn(q / sqrt(head_dim), k, v) @ attn_output.T
+        g, u = split(rmsnorm(h, ffn_norm) @ ffn_up.T)
+        h = h + (silu(g) * u) @ ffn_down.T
+    logits = rmsnorm(h, output_norm) @ head.T
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ane_spec.errors import AneSpecError
+from ane_spec.model.gguf_file import GGUFModel, Tensor
+
+# Above this many bytes of dequantized weights the reference re-dequantizes each matrix from the
+# memmap on every use instead of caching it: the real 3.8B model would need 15 GB in fp32.
+MATERIALIZE_LIMIT_BYTES = 3 << 30
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NEOX rotate-half over the first 2*cos.shape[-1] dims of `x` `[T, heads, head_dim]`.
+
+    cos/sin are `[T, rot/2]` and already carry the attention factor; the tail dims pass through.
+    """
+    half = cos.shape[-1]
+    x1, x2, tail = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, tail], dim=-1)
+
+
+class Weights:
+    """Float views of the GGUF matrices, cached or re-dequantized per use (see the limit above)."""
+
+    def __init__(self, gguf: GGUFModel, dtype: torch.dtype, materialize: bool):
+        self.gguf, self.dtype, self.materialize = gguf, dtype, materialize
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name in self._cache:
+            return self._cache[name]
+        w = self._load(self.gguf.tensor(name))
+        if self.materialize:
+            self._cache[name] = w
+        return w
+
+    def rows(self, name: str, ids: Sequence[int]) -> torch.Tensor:
+        return torch.from_numpy(self.gguf.tensor(name).rows(np.asarray(ids))).to(self.dtype)
+
+    def _load(self, t: Tensor) -> torch.Tensor:
+        # torch.tensor copies: F32 tensors come back as read-only views of the memmap.
+        return torch.tensor(t.dequantize(np.float32), dtype=self.dtype)
+
+
+@dataclass
+class KVCache:
+    """Per-layer K and V `[n_kv, window, head_dim]`; `length` tokens are committed."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    length: int = 0
+    tokens: list[int] = field(default_factory=list)
+
+
+class ReferenceModel:
+    """Runs token lists to logits with llama.cpp's semantics, in float32 or float64."""
+
+    def __init__(self, gguf: GGUFModel, *, context_window: int = 4096,
+                 dtype: torch.dtype = torch.float32, materialize: bool | None = None):
+        self.gguf = gguf
+        self.config = c = gguf.config
+        self.context_window = context_window
+        self.rope = gguf.rope_spec(context_window)
+        self.dtype = dtype
+        if materialize is None:
+            materialize = c.num_parameters() * torch.finfo(dtype).bits // 8 <= MATERIALIZE_LIMIT_BYTES
+        self.w = Weights(gguf, dtype, materialize)
+        self.head_name = "output.weight" if not c.tied_embeddings else "token_embd.weight"
+
+    def new_cache(self) -> KVCache:
+        c = self.config
+        shape = (c.num_kv_heads, self.context_window, c.head_dim)
+        return KVCache(k=[torch.zeros(shape, dtype=self.dtype) for _ in range(c.num_layers)],
+                       v=[torch.zeros(shape, dtype=self.dtype) for _ in range(c.num_layers)])
+
+    @torch.no_grad()
+    def forward(self, tokens: Sequence[int], cache: KVCache) -> torch.Tensor:
+        """Append `tokens` after the cache's committed ones; returns logits `[T, vocab]`."""
+        c = self.config
+        start, n = cache.length, len(tokens)
+        if n == 0:
+            raise AneSpecError("forward needs at least one token")
+        if start + n > self.context_window:
+            raise AneSpecError(f"{start + n} tokens do not fit the context window of "
+                               f"{self.context_window}")
+        bad = [t for t in tokens if not 0 <= t < c.vocab_size]
+        if bad:
+            raise AneSpecError(f"token ids {bad[:5]} are outside the vocabulary 0..{c.vocab_size - 1}")
+
+        cos, sin = (torch.from_numpy(a).to(self.dtype)
+                    for a in self.rope.tables(np.arange(start, start + n), np.float64))
+        # Row i may see key slots 0 .. start+i: the causal mask over the committed prefix.
+        keys = torch.arange(start + n)
+        mask = keys[None, :] <= (start + torch.arange(n))[:, None]
+
+        h = self.w.rows("token_embd.weight", tokens)
+        for i in range(c.num_layers):
+            h = self._layer(i, h, cos, sin, mask, cache)
+        cache.length += n
+        cache.tokens.extend(int(t) for t in tokens)
+        h = rms_norm(h, self.w("output_norm.weight"), c.rms_eps)
+        return h @ self.w(self.head_name).T
+
+    def _layer(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               mask: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        c, w, n = self.config, self.w, h.shape[0]
+        start = cache.length
+        a = rms_norm(h, w(f"blk.{i}.attn_norm.weight"), c.rms_eps)
+        qkv = a @ w(f"blk.{i}.attn_qkv.weight").T
+        q, k, v = qkv.split([c.hidden_size, c.kv_dim, c.kv_dim], dim=-1)
+        q = apply_rope(q.reshape(n, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(k.reshape(n, c.num_kv_heads, c.head_dim), cos, sin)
+        v = v.reshape(n, c.num_kv_heads, c.head_dim)
+
+        cache.k[i][:, start:start + n] = k.transpose(0, 1)
+        cache.v[i][:, start:start + n] = v.transpose(0, 1)
+        keys = cache.k[i][:, :start + n].repeat_interleave(c.gqa_group, dim=0)
+        values = cache.v[i][:, :start + n].repeat_interleave(c.gqa_group, dim=0)
+
+        scores = (q.transpose(0, 1) / math.sqrt(c.head_dim)) @ keys.transpose(1, 2)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        o = torch.softmax(scores, dim=-1) @ values          # [heads, T, head_dim]
+        o = o.transpose(0, 1).reshape(n, c.hidden_size)     # channel = head * head_dim + d
+        h = h + o @ w(f"blk.{i}.attn_output.weight").T
+
+        f = rms_norm(h, w(f"blk.{i}.ffn_norm.weight"), c.rms_eps) @ w(f"blk.{i}.ffn_up.weight").T
+        g, u = f.split(c.ffn_size, dim=-1)
+        return h + (F.silu(g) * u) @ w(f"blk.{i}.ffn_down.weight").T
+
+    def logits(self, tokens: Sequence[int]) -> np.ndarray:
+        """Logits `[T, vocab]` for `tokens` processed from position 0, as float32."""
+        return self.forward(tokens, self.new_cache()).float().numpy()
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int,
+                 stop_ids: frozenset[int] = frozenset()) -> list[int]:
+        """Plain greedy decoding with a KV cache: the exactness target for speculation."""
+        cache = self.new_cache()
+        room = self.context_window - len(prompt)
+        logits = self.forward(prompt, cache)[-1]
+        out: list[int] = []
+        for _ in range(min(max_new_tokens, room + 1)):
+            tok = int(torch.argmax(logits))
+            out.append(tok)
+            if tok in stop_ids or cache.length >= self.context_window:
+                break
+            logits = self.forward([tok], cache)[-1]
+        return out

@@ -1,0 +1,22 @@
+"""Shared fixtures: synthetic GGUF files written once per test session by the real writer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ane_spec.model.synthetic import preset, write_synthetic_gguf
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """3 layers, d=192, varied greedy output (embed std 0.05, branches x4): decode tests."""
+    return write_synthetic_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", preset("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_conditioned(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Same shapes, well conditioned (embed std 1, branches x1): logit comparisons."""
+    spec = preset("tiny", embed_std=1.0, branch_scale=1.0, seed=7)
+    return write_synthetic_gguf(tmp_path_factory.mktemp("gguf") / "tiny-cond.gguf", spec)

@@ -1,0 +1,149 @@
+"""GGUF reading: config, zero-copy Q8_0 views, dequantization, and every error path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFValueType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from ane_spec.errors import GGUFError
+from ane_spec.model.gguf_file import open_gguf
+from ane_spec.model.quant import q8_0_quantize
+from ane_spec.model.synthetic import preset, write_synthetic_gguf
+from tests.gguf_edit import rewrite_gguf
+
+
+def test_config_matches_the_preset(tiny_gguf: Path) -> None:
+    m = open_gguf(tiny_gguf)
+    c = m.config
+    assert (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads) == (192, 3, 6, 2)
+    assert (c.head_dim, c.rope_dims, c.ffn_size, c.vocab_size) == (32, 24, 512, 1024)
+    assert c.context_length == 131072 and c.original_context_length == 4096
+    # sqrt(1 + ln(131072/4096)/ln(4096)), stored as f32
+    assert c.rope_attn_factor == pytest.approx(1.1902381, abs=1e-6)
+    assert c.tied_embeddings and m.lm_head.name == "token_embd.weight"
+    assert m.metadata["general.architecture"] == "phi3"
+    assert m.file_type == "Q8_0"
+
+
+def test_q8_0_views_are_zero_copy_and_dequantize_like_gguf_py(tiny_gguf: Path) -> None:
+    m = open_gguf(tiny_gguf)
+    t = m.tensor("blk.1.attn_qkv.weight")
+    qs, d = t.q8_0()
+    assert qs.dtype == np.int8 and qs.shape == (320, 192 // 32, 32)
+    assert d.dtype == np.float16 and d.shape == (320, 192 // 32)
+    assert np.shares_memory(qs, m.reader.data) and np.shares_memory(d, m.reader.data)
+    expected = gguf_dequantize(np.asarray(t.raw), GGMLQuantizationType.Q8_0)
+    np.testing.assert_array_equal(t.dequantize(), expected)
+    rows = t.rows([0, 5, 319])
+    np.testing.assert_array_equal(rows, expected[[0, 5, 319]])
+
+
+def test_q8_0_quantizer_matches_gguf_py() -> None:
+    x = np.random.default_rng(0).standard_normal((17, 96)).astype(np.float32)
+    x[3, :32] = 0.0  # an all-zero block must not divide by zero
+    np.testing.assert_array_equal(q8_0_quantize(x), gguf_quantize(x, GGMLQuantizationType.Q8_0))
+
+
+@pytest.mark.parametrize("weights", ["f16", "bf16"])
+def test_float_weight_files(tmp_path: Path, weights: str) -> None:
+    path = write_synthetic_gguf(tmp_path / f"{weights}.gguf",
+                                preset("tiny", num_layers=1, weight_type=weights))
+    m = open_gguf(path)
+    t = m.tensor("blk.0.ffn_down.weight")
+    assert t.type_name == weights.upper()
+    w = t.dequantize()
+    assert w.shape == (192, 512) and w.dtype == np.float32
+    qtype = GGMLQuantizationType.F16 if weights == "f16" else GGMLQuantizationType.BF16
+    np.testing.assert_array_equal(w, gguf_dequantize(np.asarray(t.raw), qtype).reshape(w.shape))
+    np.testing.assert_array_equal(t.rows([2, 7]), w[[2, 7]])
+    with pytest.raises(GGUFError, match="not Q8_0"):
+        t.q8_0()
+
+
+# --- error paths: each names the problem ------------------------------------------------------
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(GGUFError, match="no such file"):
+        open_gguf(tmp_path / "nope.gguf")
+
+
+def test_not_a_gguf(tmp_path: Path) -> None:
+    p = tmp_path / "x.gguf"
+    p.write_bytes(b"PK\x03\x04 this is a zip, not a gguf" * 10)
+    with pytest.raises(GGUFError, match="not a GGUF file"):
+        open_gguf(p)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.999])
+def test_truncated_file(tiny_gguf: Path, tmp_path: Path, keep: float) -> None:
+    data = tiny_gguf.read_bytes()
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(GGUFError, match="truncated"):
+        open_gguf(p)
+
+
+def test_truncated_in_header(tiny_gguf: Path, tmp_path: Path) -> None:
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(tiny_gguf.read_bytes()[:2000])
+    with pytest.raises(GGUFError, match="truncated|unreadable"):
+        open_gguf(p)
+
+
+def test_wrong_architecture(tiny_gguf: Path, tmp_path: Path) -> None:
+    p = rewrite_gguf(tiny_gguf, tmp_path / "llama.gguf", arch="llama")
+    with pytest.raises(GGUFError, match="architecture is 'llama'"):
+        open_gguf(p)
+
+
+def test_unsupported_tensor_type(tiny_gguf: Path, tmp_path: Path) -> None:
+    def to_q4(name: str, data: np.ndarray, qtype: GGMLQuantizationType):
+        if name == "blk.0.ffn_up.weight":
+            w = gguf_dequantize(data, qtype)
+            return gguf_quantize(w, GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0
+        return None
+
+    p = rewrite_gguf(tiny_gguf, tmp_path / "q4.gguf", tensor_override=to_q4)
+    with pytest.raises(GGUFError, match=r"blk\.0\.ffn_up\.weight' has type Q4_0"):
+        open_gguf(p)
+
+
+def test_missing_tensor(tiny_gguf: Path, tmp_path: Path) -> None:
+    p = rewrite_gguf(tiny_gguf, tmp_path / "m.gguf", drop_tensors=("blk.2.ffn_down.weight",))
+    with pytest.raises(GGUFError, match=r"missing tensor 'blk\.2\.ffn_down\.weight'"):
+        open_gguf(p)
+
+
+def test_misshaped_tensor(tiny_gguf: Path, tmp_path: Path) -> None:
+    def shrink(name: str, data: np.ndarray, qtype: GGMLQuantizationType):
+        return (data[:-1], qtype) if name == "blk.1.attn_output.weight" else None
+
+    p = rewrite_gguf(tiny_gguf, tmp_path / "s.gguf", tensor_override=shrink)
+    with pytest.raises(GGUFError, match=r"attn_output\.weight' has shape \(191, 192\), expected "
+                                        r"\(192, 192\)"):
+        open_gguf(p)
+
+
+def test_missing_metadata_key(tiny_gguf: Path, tmp_path: Path) -> None:
+    p = rewrite_gguf(tiny_gguf, tmp_path / "k.gguf", drop_keys=("phi3.block_count",))
+    with pytest.raises(GGUFError, match="missing required key 'phi3.block_count'"):
+        open_gguf(p)
+
+
+def test_inconsistent_heads(tiny_gguf: Path, tmp_path: Path) -> None:
+    p = rewrite_gguf(tiny_gguf, tmp_path / "h.gguf",
+                     set_keys={"phi3.attention.head_count_kv": (4, GGUFValueType.UINT32)})
+    with pytest.raises(GGUFError, match="not a multiple of num_kv_heads"):
+        open_gguf(p)
+
+
+def test_separate_output_head(tmp_path: Path) -> None:
+    path = write_synthetic_gguf(tmp_path / "untied.gguf",
+                                preset("tiny", num_layers=1, tied_embeddings=False))
+    m = open_gguf(path)
+    assert not m.config.tied_embeddings and m.lm_head.name == "output.weight"

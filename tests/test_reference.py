@@ -1,0 +1,118 @@
+"""The reference forward pass, held against a second, loop-by-loop float64 reading of the contract.
+
+The real oracle is llama.cpp (test_llama_cpp_oracle.py, optional). This file guards the
+reference on every run: an independent numpy transcription of the contract doc, incremental
+decoding with the KV cache, and the long/short factor switch.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ane_spec.errors import AneSpecError
+from ane_spec.model.gguf_file import GGUFModel, open_gguf
+from ane_spec.model.reference import ReferenceModel
+
+
+def contract_forward(m: GGUFModel, tokens: list[int], window: int) -> np.ndarray:
+    """The contract doc's pseudo-code, transcribed literally with per-head, per-pair loops."""
+    c = m.config
+    w = lambda name: m.tensor(name).dequantize().astype(np.float64)  # noqa: E731
+    factors = m.rope_factors("long" if window > c.original_context_length else "short").astype(float)
+    rms = lambda x, g: x / np.sqrt((x * x).mean(-1, keepdims=True) + c.rms_eps) * g  # noqa: E731
+
+    def rope(vec: np.ndarray, pos: int) -> np.ndarray:
+        out = vec.copy()
+        half = c.rope_dims // 2
+        for j in range(half):
+            theta = pos * c.rope_freq_base ** (-2 * j / c.rope_dims) / factors[j]
+            cs, sn = math.cos(theta) * c.rope_attn_factor, math.sin(theta) * c.rope_attn_factor
+            out[j] = vec[j] * cs - vec[j + half] * sn
+            out[j + half] = vec[j] * sn + vec[j + half] * cs
+        return out
+
+    T, hd = len(tokens), c.head_dim
+    h = w("token_embd.weight")[tokens]
+    for layer in range(c.num_layers):
+        a = rms(h, w(f"blk.{layer}.attn_norm.weight"))
+        qkv = a @ w(f"blk.{layer}.attn_qkv.weight").T
+        q = qkv[:, : c.hidden_size].reshape(T, c.num_heads, hd)
+        k = qkv[:, c.hidden_size: c.hidden_size + c.kv_dim].reshape(T, c.num_kv_heads, hd)
+        v = qkv[:, c.hidden_size + c.kv_dim:].reshape(T, c.num_kv_heads, hd)
+        q = np.stack([[rope(q[t, i], t) for i in range(c.num_heads)] for t in range(T)])
+        k = np.stack([[rope(k[t, i], t) for i in range(c.num_kv_heads)] for t in range(T)])
+        o = np.zeros((T, c.hidden_size))
+        for head in range(c.num_heads):
+            g = head // (c.num_heads // c.num_kv_heads)
+            for t in range(T):
+                s = np.array([q[t, head] @ k[u, g] / math.sqrt(hd) for u in range(t + 1)])
+                p = np.exp(s - s.max())
+                p /= p.sum()
+                o[t, head * hd:(head + 1) * hd] = p @ v[: t + 1, g]
+        h = h + o @ w(f"blk.{layer}.attn_output.weight").T
+        f = rms(h, w(f"blk.{layer}.ffn_norm.weight")) @ w(f"blk.{layer}.ffn_up.weight").T
+        gate, up = f[:, : c.ffn_size], f[:, c.ffn_size:]
+        h = h + (gate / (1 + np.exp(-gate)) * up) @ w(f"blk.{layer}.ffn_down.weight").T
+    return rms(h, w("output_norm.weight")) @ w("token_embd.weight").T
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+@pytest.mark.parametrize("window", [4096, 8192])
+def test_matches_contract_transcription(tiny_gguf_conditioned: Path, window: int) -> None:
+    m = open_gguf(tiny_gguf_conditioned)
+    tokens = [int(t) for t in np.random.default_rng(window).integers(0, 1000, 23)]
+    expected = contract_forward(m, tokens, window)
+    ref64 = ReferenceModel(m, context_window=window, dtype=torch.float64)
+    got64 = ref64.forward(tokens, ref64.new_cache()).numpy()
+    got32 = ReferenceModel(m, context_window=window).logits(tokens)
+    # float64 vs float64: only summation order differs.
+    np.testing.assert_allclose(got64, expected, rtol=0, atol=1e-8 * np.abs(expected).max())
+    assert cosines(got32, expected).min() > 0.999999
+    assert (got32.argmax(-1) == expected.argmax(-1)).all()
+
+
+def test_factor_sets_really_differ(tiny_gguf_conditioned: Path) -> None:
+    m = open_gguf(tiny_gguf_conditioned)
+    tokens = list(range(5, 45))
+    short = ReferenceModel(m, context_window=4096).logits(tokens)
+    long = ReferenceModel(m, context_window=8192).logits(tokens)
+    assert cosines(short, long).min() < 0.999  # the long factors change late positions
+
+
+def test_incremental_decoding_equals_full_pass(tiny_gguf: Path) -> None:
+    m = open_gguf(tiny_gguf)
+    ref = ReferenceModel(m, context_window=64)
+    tokens = [int(t) for t in np.random.default_rng(1).integers(0, 1000, 17)]
+    full = ref.logits(tokens)
+    cache = ref.new_cache()
+    parts = [ref.forward(tokens[:6], cache), ref.forward(tokens[6:7], cache),
+             ref.forward(tokens[7:11], cache), ref.forward(tokens[11:], cache)]
+    np.testing.assert_allclose(torch.cat(parts).numpy(), full, rtol=1e-5, atol=1e-5)
+    assert cache.length == 17 and cache.tokens == tokens
+
+
+def test_greedy_generation_is_varied_and_stops_at_window(tiny_gguf: Path) -> None:
+    m = open_gguf(tiny_gguf)
+    ref = ReferenceModel(m, context_window=64)
+    out = ref.generate([10, 20, 30, 40], max_new_tokens=40)
+    assert len(out) == 40
+    # The varied fixture must not collapse into one repeated token (contract trap #1).
+    assert len(set(out)) >= 8
+    full = ref.generate(list(range(1, 60)), max_new_tokens=100)
+    assert len(full) == 64 - 59 + 1  # the last token is emitted without being fed back
+
+
+def test_bad_input_is_refused(tiny_gguf: Path) -> None:
+    ref = ReferenceModel(open_gguf(tiny_gguf), context_window=32)
+    with pytest.raises(AneSpecError, match="outside the vocabulary"):
+        ref.logits([1, 5000])
+    with pytest.raises(AneSpecError, match="do not fit the context window of 32"):
+        ref.logits(list(range(33)))
