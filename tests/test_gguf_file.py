@@ -36,7 +36,7 @@ def test_q8_0_views_are_zero_copy_and_dequantize_like_gguf_py(tiny_gguf: Path) -
     qs, d = t.q8_0()
     assert qs.dtype == np.int8 and qs.shape == (320, 192 // 32, 32)
     assert d.dtype == np.float16 and d.shape == (320, 192 // 32)
-    assert np.shares_memory(qs, m.reader.data) and np.shares_memory(d, m.reader.data)
+    assert np.shares_memory(qs, m.buffer) and np.shares_memory(d, m.buffer)
     expected = gguf_dequantize(np.asarray(t.raw), GGMLQuantizationType.Q8_0)
     np.testing.assert_array_equal(t.dequantize(), expected)
     rows = t.rows([0, 5, 319])

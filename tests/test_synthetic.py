@@ -69,12 +69,17 @@ from ane_spec.model.gguf_file import open_gguf
 m = open_gguf(sys.argv[1])
 emb = m.tensor("token_embd.weight")
 qs, d = emb.q8_0()                       # whole-table views: no copy
-checksum = float(d[:, 0].astype(np.float32).sum())
+assert np.shares_memory(qs, m.buffer)
 rows = emb.rows(np.arange(0, emb.shape[0], 997))   # embedding lookups across the table
+checksum = 0.0
+for _, chunk in emb.row_chunks(8192):              # every value of the table, dequantized
+    checksum += float(chunk.sum())
 for name in ("attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down"):
-    w = m.layer(0, name).dequantize()
+    t = m.layer(0, name)
+    w = t.dequantize()
     checksum += float(w[:4].sum())
     del w
+    t.release()
 print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "rows": rows.shape[0], "checksum": checksum}))
 """

@@ -1,6 +1,6 @@
 """Read a Phi-4-mini GGUF file: validated config, lazy tensors, tokenizer data.
 
-The file is memory-mapped once by gguf-py's reader; every tensor accessor returns a view into that
+The file is memory-mapped once (gguf_format.py); every tensor accessor returns a view into that
 map, so opening even a 4 GB file costs only its metadata. Validation happens up front so that a
 truncated, foreign or mis-shaped file fails at `open_gguf` with a message naming the problem,
 not later inside a matmul.
@@ -8,22 +8,24 @@ not later inside a matmul.
 
 from __future__ import annotations
 
+import mmap
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ane_spec.errors import ConfigError, GGUFError
 from ane_spec.model.config import ARCH, ModelConfig
+from ane_spec.model.gguf_format import GGUFContents, read_gguf
 from ane_spec.model.quant import bf16_to_float32, q8_0_blocks, q8_0_dequantize
 from ane_spec.model.rope import RopeSpec, make_rope_spec
 from ane_spec.model.tokenizer import TokenizerData
 
-GGUF_MAGIC = b"GGUF"
 SUPPORTED_TYPES = {
     GGMLQuantizationType.F32: "F32",
     GGMLQuantizationType.F16: "F16",
@@ -40,6 +42,8 @@ class Tensor:
     type: GGMLQuantizationType
     shape: tuple[int, ...]
     raw: np.ndarray  # uint8 bytes for quantized/bf16 types, typed elements otherwise
+    file_offset: int = 0
+    mapping: mmap.mmap | None = None
 
     @property
     def type_name(self) -> str:
@@ -71,6 +75,30 @@ class Tensor:
             qs, d = self.q8_0()
             return q8_0_dequantize(qs[idx], d[idx], dtype)
         return self._widen(self.raw.reshape(self.shape[0], -1)[idx]).astype(dtype, copy=False)
+
+    def row_chunks(self, rows_per_chunk: int, dtype: np.dtype = np.float32
+                   ) -> Iterator[tuple[int, np.ndarray]]:
+        """Yield (first row, float rows) in chunks, dropping each chunk's pages from this
+        process's memory once read, so sweeping a 650 MB table keeps RSS at one chunk."""
+        for r0 in range(0, self.shape[0], rows_per_chunk):
+            r1 = min(self.shape[0], r0 + rows_per_chunk)
+            yield r0, self.rows(np.arange(r0, r1), dtype)
+            self.release(r0, r1)
+
+    def release(self, first_row: int = 0, last_row: int | None = None) -> None:
+        """Tell the kernel this process is done with these rows' pages (they stay in the page
+        cache). Memmapped pages count in RSS, and a build touches gigabytes of them."""
+        if self.mapping is None:
+            return
+        last_row = self.shape[0] if last_row is None else last_row
+        row_bytes = self.nbytes // self.shape[0] if len(self.shape) > 1 else self.nbytes
+        start = self.file_offset + first_row * (row_bytes if len(self.shape) > 1 else 0)
+        end = self.file_offset + (last_row * row_bytes if len(self.shape) > 1 else self.nbytes)
+        page = mmap.PAGESIZE
+        start -= start % page
+        end = min(len(self.mapping), -(-end // page) * page)
+        if end > start:
+            self.mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def dequantize(self, dtype: np.dtype = np.float32) -> np.ndarray:
         """The whole tensor as floats: allocates, so call it per tensor, not per model."""
@@ -112,11 +140,13 @@ OPTIONAL_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 class GGUFModel:
     """An opened, validated Phi-4-mini GGUF file."""
 
-    def __init__(self, path: Path, reader: GGUFReader, metadata: dict[str, Any],
-                 tensors: dict[str, Tensor], config: ModelConfig):
+    def __init__(self, path: Path, contents: GGUFContents, tensors: dict[str, Tensor],
+                 config: ModelConfig):
         self.path = path
-        self.reader = reader
-        self.metadata = metadata
+        self.version = contents.version
+        self.metadata = contents.metadata
+        # The whole file as uint8, zero-copy: every tensor's `raw` is a slice of it.
+        self.buffer = np.frombuffer(contents.mapping, dtype=np.uint8)
         self.tensors = tensors
         self.config = config
 
@@ -162,8 +192,8 @@ class GGUFModel:
         return "/".join(sorted(types)) or "unknown"
 
     def close(self) -> None:
-        # np.memmap has no close; dropping the last reference unmaps it.
-        self.reader = None  # type: ignore[assignment]
+        # The mapping is unmapped when the last view into it is gone.
+        self.buffer = np.empty(0, np.uint8)
         self.tensors = {}
 
     def __enter__(self) -> "GGUFModel":
@@ -178,23 +208,14 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFModel:
     path = Path(path)
     if not path.is_file():
         raise GGUFError(f"{path}: no such file")
-    with open(path, "rb") as fh:
-        magic = fh.read(4)
-    if magic != GGUF_MAGIC:
-        raise GGUFError(f"{path.name}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
-    try:
-        reader = GGUFReader(path, "r")
-    except Exception as exc:  # gguf-py raises bare ValueError/IndexError on damaged headers
-        raise GGUFError(f"{path.name}: unreadable GGUF header or metadata "
-                        f"(truncated or corrupt file?): {exc}") from None
-
-    metadata = _read_metadata(reader)
+    contents = read_gguf(os.fspath(path), path.name)
+    metadata = contents.metadata
     arch = metadata.get("general.architecture")
     if arch != ARCH:
         raise GGUFError(f"{path.name}: architecture is {arch!r}; only '{ARCH}' "
                         "(Phi-3/Phi-4-mini) is supported")
 
-    tensors = _read_tensors(reader, path)
+    tensors = _map_tensors(contents, path.name)
     tokens = metadata.get("tokenizer.ggml.tokens")
     if "token_embd.weight" not in tensors:
         raise GGUFError(f"{path.name}: missing tensor 'token_embd.weight'")
@@ -205,34 +226,43 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFModel:
     except ConfigError as exc:
         raise GGUFError(f"{path.name}: {exc}") from None
     _check_tensor_shapes(tensors, config, path.name)
-    return GGUFModel(path, reader, metadata, tensors, config)
+    return GGUFModel(path, contents, tensors, config)
 
 
-def _read_metadata(reader: GGUFReader) -> dict[str, Any]:
-    meta: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception as exc:
-            raise GGUFError(f"metadata key '{key}' cannot be decoded: {exc}") from None
-    return meta
-
-
-def _read_tensors(reader: GGUFReader, path: Path) -> dict[str, Tensor]:
-    size = path.stat().st_size
+def _map_tensors(contents: GGUFContents, name: str) -> dict[str, Tensor]:
+    size = len(contents.mapping)
     tensors: dict[str, Tensor] = {}
-    for t in reader.tensors:
-        if t.tensor_type not in SUPPORTED_TYPES:
+    for info in contents.tensors:
+        try:
+            qtype = GGMLQuantizationType(info.ggml_type)
+        except ValueError:
+            raise GGUFError(f"{name}: tensor '{info.name}' has unknown ggml type "
+                            f"{info.ggml_type}") from None
+        if qtype not in SUPPORTED_TYPES:
             raise GGUFError(
-                f"{path.name}: tensor '{t.name}' has type {t.tensor_type.name}; supported types "
+                f"{name}: tensor '{info.name}' has type {qtype.name}; supported types "
                 f"are {', '.join(SUPPORTED_TYPES.values())} (requantize the file to Q8_0)")
-        if t.data_offset + t.n_bytes > size:
-            raise GGUFError(f"{path.name}: file is truncated: tensor '{t.name}' ends at byte "
-                            f"{t.data_offset + t.n_bytes:,} but the file has {size:,} bytes")
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        tensors[t.name] = Tensor(t.name, t.tensor_type, shape, t.data)
+        if info.name in tensors:
+            raise GGUFError(f"{name}: tensor '{info.name}' appears twice")
+        shape = tuple(int(x) for x in reversed(info.dims))
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        if shape[-1] % block:
+            raise GGUFError(f"{name}: tensor '{info.name}' rows of {shape[-1]} are not a "
+                            f"multiple of the {qtype.name} block size {block}")
+        n_bytes = int(np.prod(shape)) // block * type_size
+        if info.offset + n_bytes > size:
+            raise GGUFError(f"{name}: file is truncated: tensor '{info.name}' ends at byte "
+                            f"{info.offset + n_bytes:,} but the file has {size:,} bytes")
+        if qtype == GGMLQuantizationType.F32:
+            raw = np.frombuffer(contents.mapping, np.float32, int(np.prod(shape)), info.offset)
+        elif qtype == GGMLQuantizationType.F16:
+            raw = np.frombuffer(contents.mapping, np.float16, int(np.prod(shape)), info.offset)
+        else:  # Q8_0, BF16: bytes, one row of the matrix per row of the array
+            raw = np.frombuffer(contents.mapping, np.uint8, n_bytes, info.offset)
+        raw = raw.reshape(shape) if qtype in (GGMLQuantizationType.F32,
+                                              GGMLQuantizationType.F16) else (
+            raw.reshape(int(np.prod(shape[:-1])), -1))
+        tensors[info.name] = Tensor(info.name, qtype, shape, raw, info.offset, contents.mapping)
     return tensors
 
 

@@ -23,8 +23,11 @@ def q8_0_blocks(raw: np.ndarray, in_features: int) -> np.ndarray:
 
 def q8_0_dequantize(qs: np.ndarray, scales: np.ndarray, dtype: np.dtype = np.float32) -> np.ndarray:
     """Blocked int8 `[rows, nb, 32]` and fp16 scales `[rows, nb]` -> `[rows, nb*32]`."""
-    values = qs.astype(dtype) * scales.astype(dtype)[..., None]
-    return values.reshape(qs.shape[0], -1)
+    out = np.empty(qs.shape, dtype=dtype)
+    # int8 * float32 into a preallocated output: numpy casts the int8 in small buffers, so the
+    # only full-size allocation is the result itself.
+    np.multiply(qs, scales.astype(dtype)[..., None], out=out)
+    return out.reshape(qs.shape[0], -1)
 
 
 def q8_0_quantize(values: np.ndarray) -> np.ndarray:
