@@ -81,6 +81,24 @@ def cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- shard compiler ---------------------------------------------------------------------------
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from ane_spec.shards.build import BuildRequest, build
+
+    request = BuildRequest(topology=args.topology, max_seq=args.max_seq, weights=args.weights,
+                           layout=args.layout, head_chunks=args.head_chunks,
+                           head_argmax=args.head_argmax, max_shard_mb=args.max_shard_mb,
+                           min_weight_cosine=args.min_weight_cosine)
+    result = build(args.gguf, args.out, request, force=args.force,
+                   progress=lambda msg: tqdm.write(f"[build] {msg}", file=sys.stderr))
+    print(f"built {len(result.built)} and reused {len(result.reused)} packages in "
+          f"{result.seconds:.1f}s -> {result.manifest_path}")
+    return 0
+
+
 # --- parser -----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,6 +146,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(handler=cmd_synth)
+
+    from ane_spec.shards.topology import DEFAULT_MAX_SHARD_MB
+    from ane_spec.shards.weights import DEFAULT_MIN_WEIGHT_COSINE
+
+    p = sub.add_parser("build", help="compile a Phi-4-mini GGUF into Core ML shards + manifest")
+    p.add_argument("gguf")
+    p.add_argument("--out", required=True, help="output folder, e.g. local-artifacts/phi4")
+    p.add_argument("--topology", help="layers per shard (20,4,6,2) or ranges (0:20,20:32); "
+                                      "default: fewest shards under --max-shard-mb")
+    p.add_argument("--max-seq", type=int, default=2048,
+                   help="context window S (KV slots); a multiple of 32")
+    p.add_argument("--weights", choices=["int8-channel", "q8-block", "fp16"],
+                   default="int8-channel")
+    p.add_argument("--layout", choices=["BCT1", "BC1T"], default="BCT1",
+                   help="hidden-state layout [1,d,T,1] (ane-book, default) or [1,d,1,T] (Apple)")
+    p.add_argument("--head-chunks", type=int, default=4)
+    p.add_argument("--head-argmax", action="store_true",
+                   help="head emits per-chunk max and argmax instead of logits (greedy only)")
+    p.add_argument("--max-shard-mb", type=int, default=DEFAULT_MAX_SHARD_MB)
+    p.add_argument("--min-weight-cosine", type=float, default=DEFAULT_MIN_WEIGHT_COSINE,
+                   help="fail if requantized weights agree less with the GGUF values")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing output folder (unchanged shards are reused)")
+    p.set_defaults(handler=cmd_build)
     return parser
 
 

@@ -8,6 +8,7 @@ not later inside a matmul.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 from collections.abc import Iterator
@@ -190,6 +191,28 @@ class GGUFModel:
     def file_type(self) -> str:
         types = {t.type_name for n, t in self.tensors.items() if n.endswith("attn_qkv.weight")}
         return "/".join(sorted(types)) or "unknown"
+
+    def content_hashes(self) -> tuple[str, dict[str, str]]:
+        """sha256 of the whole file and of each tensor's bytes, in one pass over the file.
+
+        The build records the first and fingerprints each shard with the second, so a re-run
+        rebuilds only what the changed tensors feed."""
+        whole = hashlib.sha256()
+        per_tensor: dict[str, str] = {}
+        pos = 0
+        for t in sorted(self.tensors.values(), key=lambda t: t.file_offset):
+            whole.update(self.buffer[pos:t.file_offset])
+            h = hashlib.sha256()
+            step = 1 << 26
+            for start in range(t.file_offset, t.file_offset + t.nbytes, step):
+                block = self.buffer[start:min(start + step, t.file_offset + t.nbytes)]
+                whole.update(block)
+                h.update(block)
+            t.release()
+            per_tensor[t.name] = h.hexdigest()
+            pos = t.file_offset + t.nbytes
+        whole.update(self.buffer[pos:])
+        return whole.hexdigest(), per_tensor
 
     def close(self) -> None:
         # The mapping is unmapped when the last view into it is gone.

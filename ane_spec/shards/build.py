@@ -1,0 +1,338 @@
+"""`ane-spec build`: a GGUF file -> layer shards, LM head, embeddings, tokenizer, manifest.
+
+The build writes into a sibling temporary folder and renames it into place only when every
+package has been built and checked, so a failed or interrupted build leaves either the previous
+build or nothing: never a manifest that points at partial files. Memory is bounded by one shard:
+its weights are converted, the package is written, and the GGUF pages it read are released
+before the next shard starts.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+from coremltools.converters.mil.mil import Program, types
+from pydantic import BaseModel, ConfigDict
+
+import ane_spec
+from ane_spec.errors import BuildError
+from ane_spec.manifests.schema import (
+    BuildOptions,
+    EmbeddingsEntry,
+    HeadEntry,
+    Manifest,
+    QuantStats,
+    ShardEntry,
+    SourceInfo,
+    TensorSpec,
+)
+from ane_spec.manifests.store import file_ref, hash_path, load_manifest, write_manifest
+from ane_spec.model.gguf_file import GGUFModel, open_gguf
+from ane_spec.shards.embeddings import write_embeddings
+from ane_spec.shards.layer_graph import CORRECT, GraphVariant, LayerWeights, Layout
+from ane_spec.shards.programs import MAX_T, head_program, layer_program, save_package
+from ane_spec.shards.static_checks import check_package
+from ane_spec.shards.topology import DEFAULT_MAX_SHARD_MB, check_budget, parse_topology, plan_topology
+from ane_spec.shards.weights import DEFAULT_MIN_WEIGHT_COSINE, ConvWeight, WeightFormat, convert_matrix
+
+# Bump when the emitted graphs change, so fingerprints stop matching and shards are rebuilt.
+COMPILER_REVISION = 1
+MATRICES = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
+
+Progress = Callable[[str], None]
+
+
+class BuildRequest(BaseModel):
+    """Everything `ane-spec build` takes, validated before any work starts."""
+
+    model_config = ConfigDict(frozen=True)
+
+    topology: str | None = None
+    max_seq: int = 2048
+    weights: WeightFormat = "int8-channel"
+    layout: Layout = "BCT1"
+    head_chunks: int = 4
+    head_argmax: bool = False
+    max_shard_mb: int = DEFAULT_MAX_SHARD_MB
+    min_weight_cosine: float = DEFAULT_MIN_WEIGHT_COSINE
+    name: str | None = None
+
+
+@dataclass
+class BuildResult:
+    manifest_path: Path
+    built: list[str] = field(default_factory=list)
+    reused: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
+          request: BuildRequest = BuildRequest(), *, force: bool = False,
+          progress: Progress | None = None, variant: GraphVariant = CORRECT) -> BuildResult:
+    """Build all artifacts for `gguf_path` into `out_dir` (see module docstring).
+
+    `variant` exists only for the gates' tests, which need deliberately broken builds.
+    """
+    started = time.monotonic()
+    say = progress or (lambda _msg: None)
+    out = Path(out_dir)
+    model = open_gguf(gguf_path)
+    ranges = _validate(model, request, out, force)
+
+    previous = _previous_build(out)
+    tmp = out.parent / f".{out.name}.building-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "shards").mkdir(parents=True)
+    result = BuildResult(manifest_path=out / "manifest.json")
+    try:
+        say(f"hashing {model.path.name}")
+        source_sha, tensor_sha = model.content_hashes()
+        options = _options(request, ranges)
+        shards = []
+        for n, (a, b) in enumerate(ranges):
+            label = f"shard {n + 1}/{len(ranges)} layers [{a},{b})"
+            fp = _fingerprint(options, request, ("layers", a, b), tensor_sha, model,
+                              [f"blk.{i}.{p}.weight" for i in range(a, b)
+                               for p in (*MATRICES, "attn_norm", "ffn_norm")], variant)
+            rel = f"shards/layers_{a:02d}_{b:02d}.mlpackage"
+            entry = _reuse(previous, fp, rel, tmp, ShardEntry)
+            if entry is not None:
+                say(f"{label}: unchanged, reused")
+                result.reused.append(rel)
+            else:
+                t0 = time.monotonic()
+                entry = _build_shard(model, request, a, b, tmp, rel, fp, variant)
+                say(f"{label}: built in {time.monotonic() - t0:.1f}s, "
+                    f"{entry.file.bytes / 2**20:,.1f} MiB, worst weight cosine "
+                    f"{entry.quant.worst_cosine:.6f}")
+                result.built.append(rel)
+            shards.append(entry)
+
+        head_name = model.lm_head.name
+        fp = _fingerprint(options, request, ("head",), tensor_sha, model,
+                          ["output_norm.weight", head_name], variant)
+        rel = "head.mlpackage"
+        head = _reuse(previous, fp, rel, tmp, HeadEntry)
+        if head is not None:
+            say("LM head: unchanged, reused")
+            result.reused.append(rel)
+        else:
+            t0 = time.monotonic()
+            head = _build_head(model, request, tmp, rel, fp)
+            say(f"LM head: {len(head.chunks)} chunks built in {time.monotonic() - t0:.1f}s, "
+                f"{head.file.bytes / 2**20:,.1f} MiB")
+            result.built.append(rel)
+
+        say("embeddings and tokenizer")
+        fmt, files = write_embeddings(model.tensor("token_embd.weight"), tmp / "embeddings")
+        embeddings = EmbeddingsEntry(format=fmt, vocab_size=model.config.vocab_size,
+                                     dim=model.config.hidden_size,
+                                     files={k: file_ref(tmp, p) for k, p in files.items()})
+        tok_path = tmp / "tokenizer.json"
+        tok_path.write_text(model.tokenizer_data.model_dump_json())
+
+        manifest = Manifest(
+            tool_version=ane_spec.__version__,
+            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            name=request.name or out.name,
+            source=SourceInfo(path=str(model.path.resolve()), bytes=model.path.stat().st_size,
+                              sha256=source_sha),
+            model=model.config, tokenizer=file_ref(tmp, tok_path), build=options,
+            rope=model.rope_spec(request.max_seq), shards=shards, head=head,
+            embeddings=embeddings)
+        write_manifest(manifest, tmp)
+        _swap_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def _validate(model: GGUFModel, r: BuildRequest, out: Path, force: bool) -> list[tuple[int, int]]:
+    c = model.config
+    if r.max_seq < 32 or r.max_seq % 32:
+        raise BuildError(f"--max-seq {r.max_seq} must be a positive multiple of 32 (state "
+                         "dimensions that are not multiples of 32 fail on the ANE)")
+    if r.max_seq > c.context_length:
+        raise BuildError(f"--max-seq {r.max_seq} exceeds the model's context length "
+                         f"{c.context_length}")
+    if not 1 <= r.head_chunks <= c.vocab_size:
+        raise BuildError(f"--head-chunks {r.head_chunks} must be between 1 and the vocabulary "
+                         f"size {c.vocab_size}")
+    if not 0 < r.min_weight_cosine <= 1:
+        raise BuildError(f"--min-weight-cosine {r.min_weight_cosine} must be in (0, 1]")
+    ranges = parse_topology(r.topology, c.num_layers)
+    if ranges is None:
+        ranges = plan_topology(c, r.weights, r.max_shard_mb)
+    check_budget(ranges, c, r.weights, r.max_shard_mb)
+    if out.exists() and not force:
+        raise BuildError(f"{out} already exists; pass --force to rebuild it (shards whose "
+                         "inputs are unchanged are reused)")
+    if out.exists() and not out.is_dir():
+        raise BuildError(f"{out} exists and is not a folder")
+    return ranges
+
+
+def _options(r: BuildRequest, ranges: list[tuple[int, int]]) -> BuildOptions:
+    return BuildOptions(topology=[b - a for a, b in ranges], max_seq=r.max_seq, t_range=(1, MAX_T),
+                        layout=r.layout, weights=r.weights, head_chunks=r.head_chunks,
+                        head_argmax=r.head_argmax, min_weight_cosine=r.min_weight_cosine)
+
+
+def _fingerprint(options: BuildOptions, r: BuildRequest, what: tuple, tensor_sha: dict[str, str],
+                 model: GGUFModel, tensors: list[str], variant: GraphVariant) -> str:
+    """Everything a package depends on. Equal fingerprints mean an identical package."""
+    relevant = {
+        "compiler": COMPILER_REVISION, "what": what, "config": model.config.model_dump(),
+        "max_seq": options.max_seq, "layout": options.layout, "weights": options.weights,
+        "variant": repr(variant),
+        "head": [options.head_chunks, options.head_argmax] if what[0] == "head" else None,
+        "rope": model.rope_spec(r.max_seq).model_dump() if what[0] == "layers" else None,
+        "tensors": {t: tensor_sha[t] for t in tensors},
+    }
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass
+class PreviousBuild:
+    """Packages of the build being replaced, by fingerprint, for reuse."""
+
+    root: Path
+    entries: dict[str, ShardEntry | HeadEntry]
+
+
+def _previous_build(out: Path) -> PreviousBuild | None:
+    if not (out / "manifest.json").is_file():
+        return None
+    try:
+        m = load_manifest(out, verify=False).manifest
+    except Exception:  # an unreadable old build is simply not reused
+        return None
+    entries: dict[str, ShardEntry | HeadEntry] = {s.fingerprint: s for s in m.shards}
+    entries[m.head.fingerprint] = m.head
+    return PreviousBuild(out, entries)
+
+
+def _reuse(previous: PreviousBuild | None, fp: str, rel: str, tmp: Path, kind: type):
+    """Hard-link an unchanged package from the previous build, if its files still hash right."""
+    entry = previous.entries.get(fp) if previous else None
+    if not isinstance(entry, kind):
+        return None
+    old = previous.root / entry.file.path
+    if not old.exists() or hash_path(old) != (entry.file.bytes, entry.file.sha256):
+        return None
+    dest = tmp / rel
+    shutil.copytree(old, dest, copy_function=_link_or_copy)
+    return entry.model_copy(update={"file": file_ref(tmp, dest)})
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _layer_weights(model: GGUFModel, i: int, fmt: WeightFormat,
+                   cosines: dict[str, float]) -> LayerWeights:
+    mats: dict[str, ConvWeight] = {}
+    for part in MATRICES:
+        t = model.layer(i, part)
+        mats[part] = convert_matrix(t, fmt)
+        t.release()
+        cosines[t.name] = mats[part].cosine
+    return LayerWeights(
+        attn_norm=np.array(model.layer(i, "attn_norm").dequantize()), qkv=mats["attn_qkv"],
+        attn_output=mats["attn_output"], ffn_norm=np.array(model.layer(i, "ffn_norm").dequantize()),
+        ffn_up=mats["ffn_up"], ffn_down=mats["ffn_down"])
+
+
+def _build_shard(model: GGUFModel, r: BuildRequest, a: int, b: int, tmp: Path, rel: str,
+                 fp: str, variant: GraphVariant) -> ShardEntry:
+    cosines: dict[str, float] = {}
+    layers = [_layer_weights(model, i, r.weights, cosines) for i in range(a, b)]
+    quant = _quant_stats(r, cosines)
+    prog = layer_program(a, layers, model.config, r.max_seq, r.layout, variant)
+    del layers
+    inputs, outputs, states = _interface(prog)
+    path = tmp / rel
+    save_package(prog, path)
+    del prog
+    gc.collect()
+    check_package(path, kind="layers", weights=r.weights)
+    return ShardEntry(layers=(a, b), file=file_ref(tmp, path), inputs=inputs, outputs=outputs,
+                      states=states, quant=quant, fingerprint=fp)
+
+
+def _build_head(model: GGUFModel, r: BuildRequest, tmp: Path, rel: str, fp: str) -> HeadEntry:
+    c = model.config
+    t = model.lm_head
+    bounds = np.linspace(0, c.vocab_size, r.head_chunks + 1).astype(int)
+    chunks = [(int(s), int(e)) for s, e in zip(bounds[:-1], bounds[1:])]
+    cosines: dict[str, float] = {}
+    weights = []
+    for n, (s, e) in enumerate(chunks):
+        w = convert_matrix(t, r.weights, slice(s, e))
+        t.release(s, e)
+        cosines[f"{t.name}[{s}:{e}]"] = w.cosine
+        weights.append(w)
+    quant = _quant_stats(r, cosines)
+    norm = np.array(model.tensor("output_norm.weight").dequantize())
+    prog = head_program(norm, weights, c, r.layout, r.head_argmax)
+    del weights
+    inputs, outputs, _ = _interface(prog)
+    path = tmp / rel
+    save_package(prog, path)
+    del prog
+    gc.collect()
+    check_package(path, kind="head", weights=r.weights)
+    return HeadEntry(chunks=chunks, argmax=r.head_argmax, file=file_ref(tmp, path), inputs=inputs,
+                     outputs=outputs, quant=quant, fingerprint=fp)
+
+
+def _quant_stats(r: BuildRequest, cosines: dict[str, float]) -> QuantStats:
+    worst = min(cosines, key=cosines.__getitem__)
+    if cosines[worst] < r.min_weight_cosine:
+        raise BuildError(f"{r.weights} weights of '{worst}' reach cosine {cosines[worst]:.6f} "
+                         f"against the GGUF values, below --min-weight-cosine "
+                         f"{r.min_weight_cosine}; use --weights q8-block or fp16 for this model")
+    return QuantStats(format=r.weights, worst_cosine=cosines[worst], worst_tensor=worst,
+                      mean_cosine=float(np.mean(list(cosines.values()))))
+
+
+def _interface(prog: Program) -> tuple[list[TensorSpec], list[TensorSpec], list[TensorSpec]]:
+    func = prog.functions["main"]
+
+    def spec(name: str, var) -> TensorSpec:
+        shape = [int(d) if isinstance(d, (int, np.integer)) else "T" for d in var.shape]
+        return TensorSpec(name=name, shape=shape, dtype=types.builtin_to_string(var.dtype))
+
+    inputs, states = [], []
+    for name, var in func.inputs.items():
+        if types.is_state(var.sym_type):
+            states.append(TensorSpec(name=name, shape=list(var.sym_type.wrapped_type().get_shape()),
+                                     dtype="fp16"))
+        else:
+            inputs.append(spec(name, var))
+    outputs = [spec(v.name, v) for v in func.outputs]
+    return inputs, outputs, states
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+

@@ -1,0 +1,182 @@
+"""One Phi-4-mini layer as MIL ops, laid out for the ANE, with a T-row KV scatter.
+
+Channels-first 4-D tensors and 1x1 convs (Apple's ml-ane-transformers rules). The token axis T
+(1..4) is symbolic, so one program serves T=1 decode and T=4 verification. Per layer:
+
+    a   = rmsnorm(x)                          layer_norm(concat([x, -x])) keeps fp16 in range
+    qkv = conv(a); q, k, v = split            heads -> [1, H, T, hd]
+    q, k = rope(q), rope(k)                   host cos/sin [T, rot/2], attn factor included
+    K = K * (1 - rowsum(W)) + W @ k           W = kv_write_mask [1, 1, S, T]: T one-hot rows
+    o = softmax32(q K^T / sqrt(hd) + mask) V  over all S slots, GQA by reshaping q's heads
+    x = x + conv(o as [head, dim, token])     the flatten order seeds/003 got wrong once
+    x = x + conv(silu(g) * u), (g, u) = split(conv(rmsnorm(x)))
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from coremltools.converters.mil import Builder as mb
+from coremltools.converters.mil.mil import Var
+
+from ane_spec.model.config import ModelConfig
+from ane_spec.shards.weights import ConvWeight
+
+Layout = Literal["BC1T", "BCT1"]
+LAYOUTS: tuple[Layout, ...] = ("BCT1", "BC1T")
+# Additive mask value for hidden slots: finite so fp16 adds stay finite, and far below any real
+# score so exp() underflows to exactly 0 in the fp32 softmax.
+MASK_VALUE = -1.0e4
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: np.ndarray  # fp32 [d]
+    qkv: ConvWeight
+    attn_output: ConvWeight
+    ffn_norm: np.ndarray
+    ffn_up: ConvWeight
+    ffn_down: ConvWeight
+
+
+@dataclass
+class BlockInputs:
+    """The host-fed tensors every layer of a shard shares."""
+
+    cos: Var        # [T, rot/2]
+    sin: Var
+    attn_mask: Var  # [1, 1, T, S]
+    write: Var      # [1, 1, S, T]
+    keep: Var       # [1, 1, S, 1]: 1 - rowsum(write), computed once per shard
+
+
+def hidden_shape(d: int, t: object, layout: Layout) -> tuple[object, ...]:
+    return (1, d, t, 1) if layout == "BCT1" else (1, d, 1, t)
+
+
+def conv_weight(w: ConvWeight, name: str) -> Var | np.ndarray:
+    if w.scale is None:
+        return w.data
+    return mb.constexpr_blockwise_shift_scale(data=w.data, scale=w.scale, name=name)
+
+
+def rms_norm(x: Var, weight: np.ndarray, eps: float, d: int, name: str) -> Var:
+    """RMSNorm as layer_norm over [x, -x]: the mean is exactly 0, the variance mean(x^2), and
+    layer_norm's reduction does not overflow fp16 the way a sum of squares over 3072 would."""
+    both = mb.concat(values=[x, mb.mul(x=x, y=np.float16(-1.0))], axis=1)
+    normed = mb.layer_norm(x=both, axes=[1], epsilon=np.float16(eps))
+    half = mb.slice_by_index(x=normed, begin=[0, 0, 0, 0], end=[1, d, 0, 0],
+                             end_mask=[True, False, True, True])
+    return mb.mul(x=half, y=weight.astype(np.float16).reshape(1, d, 1, 1), name=name)
+
+
+def to_heads(x: Var, heads: int, hd: int) -> Var:
+    """[1, heads*hd, T, 1] or [1, heads*hd, 1, T] -> [1, heads, T, hd]."""
+    return mb.transpose(x=mb.reshape(x=x, shape=[1, heads, hd, -1]), perm=[0, 1, 3, 2])
+
+
+def rope(x: Var, cos: Var, sin: Var, half: int, hd: int) -> Var:
+    """NEOX rotate-half on the first 2*half dims of [1, heads, T, hd]; the rest pass through."""
+    def part(lo: int, hi: int) -> Var:
+        return mb.slice_by_index(x=x, begin=[0, 0, 0, lo], end=[0, 0, 0, hi],
+                                 begin_mask=[True, True, True, False],
+                                 end_mask=[True, True, True, False])
+
+    x1, x2 = part(0, half), part(half, 2 * half)
+    r1 = mb.sub(x=mb.mul(x=x1, y=cos), y=mb.mul(x=x2, y=sin))
+    r2 = mb.add(x=mb.mul(x=x2, y=cos), y=mb.mul(x=x1, y=sin))
+    parts = [r1, r2] + ([part(2 * half, hd)] if 2 * half < hd else [])
+    return mb.concat(values=parts, axis=3)
+
+
+def scatter_rows(state: Var, rows: Var, io: BlockInputs, name: str) -> Var:
+    """Write T new rows [1, kv, T, hd] into slots chosen by the one-hot write mask."""
+    placed = mb.matmul(x=io.write, y=rows)                  # [1, kv, S, hd]
+    return mb.add(x=mb.mul(x=state, y=io.keep), y=placed, name=name)
+
+
+def attention(q: Var, keys: Var, values: Var, io: BlockInputs, c: ModelConfig) -> Var:
+    """Softmax attention over all S slots; returns [1, H, T, hd]."""
+    h, kv, hd, slots = c.num_heads, c.num_kv_heads, c.head_dim, keys.shape[2]
+    # Query head h uses KV head h // group: fold each group's heads into the row axis.
+    grouped = mb.reshape(x=q, shape=[1, kv, -1, hd])                    # [1, kv, G*T, hd]
+    scores = mb.matmul(x=grouped, y=keys, transpose_y=True)             # [1, kv, G*T, S]
+    scores = mb.add(x=mb.reshape(x=scores, shape=[1, h, -1, slots]), y=io.attn_mask)
+    probs = mb.cast(x=mb.softmax(x=mb.cast(x=scores, dtype="fp32"), axis=-1), dtype="fp16")
+    out = mb.matmul(x=mb.reshape(x=probs, shape=[1, kv, -1, slots]), y=values)
+    return mb.reshape(x=out, shape=[1, h, -1, hd])
+
+
+def merge_heads(o: Var, c: ModelConfig, layout: Layout, flatten: str = "head_dim_token") -> Var:
+    """[1, H, T, hd] -> hidden layout with channel = head * hd + dim.
+
+    `flatten="head_token_dim"` reproduces seeds/003's bug (reshape without the transpose); it
+    exists only so the gates can prove they catch it.
+    """
+    if flatten == "head_dim_token":
+        o = mb.transpose(x=o, perm=[0, 1, 3, 2])                        # [1, H, hd, T]
+    shape = [1, c.hidden_size, -1, 1] if layout == "BCT1" else [1, c.hidden_size, 1, -1]
+    return mb.reshape(x=o, shape=shape)
+
+
+@dataclass(frozen=True)
+class GraphVariant:
+    """Deliberate defects for gate tests; the default builds the correct graph."""
+
+    rotate_all_dims: bool = False
+    drop_attn_factor: bool = False
+    swap_kv_scatter: bool = False
+    flatten: str = "head_dim_token"
+
+
+CORRECT = GraphVariant()
+
+
+def phi3_layer(x: Var, i: int, w: LayerWeights, io: BlockInputs, k_state: Var, v_state: Var,
+               c: ModelConfig, layout: Layout, variant: GraphVariant = CORRECT) -> Var:
+    d, hd, kv = c.hidden_size, c.head_dim, c.num_kv_heads
+    p = f"layer_{i}_"
+    half = hd // 2 if variant.rotate_all_dims else c.rope_dims // 2
+    cos, sin = io.cos, io.sin
+    if variant.drop_attn_factor:
+        inv = np.float16(1.0 / c.rope_attn_factor)
+        cos, sin = mb.mul(x=cos, y=inv), mb.mul(x=sin, y=inv)
+    if variant.rotate_all_dims:
+        # Stretch the host tables over all head dims, as a graph that ignores rope_dims would.
+        cos = _widen_table(cos, hd // 2, c.rope_dims // 2)
+        sin = _widen_table(sin, hd // 2, c.rope_dims // 2)
+
+    a = rms_norm(x, w.attn_norm, c.rms_eps, d, p + "attn_norm")
+    qkv = mb.conv(x=a, weight=conv_weight(w.qkv, p + "qkv_w"), name=p + "qkv")
+    q, k, v = mb.split(x=qkv, split_sizes=[d, c.kv_dim, c.kv_dim], axis=1)
+    q = rope(to_heads(q, c.num_heads, hd), cos, sin, half, hd)
+    q = mb.mul(x=q, y=np.float16(1.0 / math.sqrt(hd)))
+    k = rope(to_heads(k, kv, hd), cos, sin, half, hd)
+    v = to_heads(v, kv, hd)
+    if variant.swap_kv_scatter:
+        k, v = v, k
+    # Attention reads what coreml_update_state returns: the canonical in-place pattern that
+    # coremltools' state passes expect (reading the pre-update var breaks them).
+    keys = mb.coreml_update_state(
+        state=k_state, value=scatter_rows(mb.read_state(input=k_state), k, io, p + "k_new"))
+    values = mb.coreml_update_state(
+        state=v_state, value=scatter_rows(mb.read_state(input=v_state), v, io, p + "v_new"))
+
+    o = merge_heads(attention(q, keys, values, io, c), c, layout, variant.flatten)
+    x = mb.add(x=x, y=mb.conv(x=o, weight=conv_weight(w.attn_output, p + "o_w")))
+
+    f = mb.conv(x=rms_norm(x, w.ffn_norm, c.rms_eps, d, p + "ffn_norm"),
+                weight=conv_weight(w.ffn_up, p + "up_w"))
+    g, u = mb.split(x=f, num_splits=2, axis=1)
+    down = mb.conv(x=mb.mul(x=mb.silu(x=g), y=u), weight=conv_weight(w.ffn_down, p + "down_w"))
+    return mb.add(x=x, y=down, name=p + "out")
+
+
+def _widen_table(t: Var, width: int, have: int) -> Var:
+    reps = -(-width // have)
+    wide = mb.concat(values=[t] * reps, axis=1)
+    return mb.slice_by_index(x=wide, begin=[0, 0], end=[0, width], begin_mask=[True, True],
+                             end_mask=[True, False])

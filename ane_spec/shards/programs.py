@@ -1,0 +1,127 @@
+"""Whole MIL programs (layer shards, LM head) and their conversion to `.mlpackage`.
+
+Programs are written in fp16 by hand, with an fp32 island around softmax, and converted with
+`compute_precision=FLOAT32` so that coremltools inserts no casts of its own: the dtypes in the
+package are exactly the ones written here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import coremltools as ct
+import numpy as np
+from coremltools.converters.mil import Builder as mb
+from coremltools.converters.mil.mil import Function, Program, get_new_symbol, types
+
+from ane_spec.model.config import ModelConfig
+from ane_spec.shards.layer_graph import (
+    CORRECT,
+    BlockInputs,
+    GraphVariant,
+    LayerWeights,
+    Layout,
+    conv_weight,
+    hidden_shape,
+    phi3_layer,
+    rms_norm,
+)
+from ane_spec.shards.weights import ConvWeight
+
+MAX_T = 4
+OPSET = ct.target.iOS18
+
+# Interface names: the manifest records them, the runtime reads them from there.
+HIDDEN_IN, HIDDEN_OUT = "x", "hidden"
+COS, SIN, ATTN_MASK, KV_WRITE_MASK = "rope_cos", "rope_sin", "attn_mask", "kv_write_mask"
+
+
+def state_names(layer: int) -> tuple[str, str]:
+    return f"layer_{layer}_k", f"layer_{layer}_v"
+
+
+def layer_program(first_layer: int, layers: Sequence[LayerWeights], c: ModelConfig,
+                  max_seq: int, layout: Layout, variant: GraphVariant = CORRECT) -> Program:
+    """A shard of consecutive layers: x, rope, masks in; hidden out; K/V states per layer."""
+    t = get_new_symbol()
+    fp16 = types.fp16
+    kv_shape = (1, c.num_kv_heads, max_seq, c.head_dim)
+    specs: dict[str, object] = {
+        HIDDEN_IN: mb.TensorSpec(hidden_shape(c.hidden_size, t, layout), dtype=fp16),
+        COS: mb.TensorSpec((t, c.rope_dims // 2), dtype=fp16),
+        SIN: mb.TensorSpec((t, c.rope_dims // 2), dtype=fp16),
+        ATTN_MASK: mb.TensorSpec((1, 1, t, max_seq), dtype=fp16),
+        KV_WRITE_MASK: mb.TensorSpec((1, 1, max_seq, t), dtype=fp16),
+    }
+    for n in range(len(layers)):
+        for name in state_names(first_layer + n):
+            specs[name] = mb.StateTensorSpec(kv_shape, dtype=fp16)
+
+    def body(inputs: dict) -> list:
+        write = inputs[KV_WRITE_MASK]
+        keep = mb.sub(x=np.float16(1.0), y=mb.reduce_sum(x=write, axes=[3], keep_dims=True),
+                      name="kv_keep")
+        io = BlockInputs(cos=inputs[COS], sin=inputs[SIN], attn_mask=inputs[ATTN_MASK],
+                         write=write, keep=keep)
+        x = inputs[HIDDEN_IN]
+        for n, w in enumerate(layers):
+            i = first_layer + n
+            k_name, v_name = state_names(i)
+            x = phi3_layer(x, i, w, io, inputs[k_name], inputs[v_name], c, layout, variant)
+        return [mb.identity(x=x, name=HIDDEN_OUT)]
+
+    return _program(specs, body)
+
+
+def head_program(norm: np.ndarray, chunks: Sequence[ConvWeight], c: ModelConfig, layout: Layout,
+                 argmax: bool) -> Program:
+    """Final RMSNorm + LM head split into vocab chunks.
+
+    Outputs per chunk `logits_{i}` [1, V_i, T, 1] (or [1, V_i, 1, T]), or with `argmax` the
+    chunk's `max_{i}` (fp16) and `argmax_{i}` (int32, index within the chunk), [1, 1, T, 1].
+    """
+    t = get_new_symbol()
+    specs = {HIDDEN_IN: mb.TensorSpec(hidden_shape(c.hidden_size, t, layout), dtype=types.fp16)}
+
+    def body(inputs: dict) -> list:
+        h = rms_norm(inputs[HIDDEN_IN], norm, c.rms_eps, c.hidden_size, "output_norm")
+        outs = []
+        for i, w in enumerate(chunks):
+            logits = mb.conv(x=h, weight=conv_weight(w, f"head_{i}_w"),
+                             name=f"chunk_{i}" if argmax else f"logits_{i}")
+            if argmax:
+                outs.append(mb.reduce_max(x=logits, axes=[1], keep_dims=True, name=f"max_{i}"))
+                outs.append(mb.reduce_argmax(x=logits, axis=1, keep_dims=True,
+                                             name=f"argmax_{i}"))
+            else:
+                outs.append(logits)
+        return outs
+
+    return _program(specs, body)
+
+
+def _program(specs: dict[str, object], body: Callable[[dict], list]) -> Program:
+    with Function(specs, opset_version=OPSET) as func:
+        func.set_outputs(body(func.inputs))
+    prog = Program()
+    prog.add_function("main", func)
+    return prog
+
+
+def save_package(prog: Program, path: Path) -> None:
+    """Convert to an ML program package. Every tensor input gets the one RangeDim(1, 4) T axis
+    (a MIL-built program needs the flexible shapes passed here, coremltools #2500)."""
+    func = prog.functions["main"]
+    inputs = []
+    for name, var in func.inputs.items():
+        if types.is_state(var.sym_type):
+            continue
+        shape = tuple(ct.RangeDim(1, MAX_T, default=1) if not isinstance(s, (int, np.integer))
+                      else int(s) for s in var.shape)
+        inputs.append(ct.TensorType(name=name, shape=shape, dtype=np.float16))
+    model = ct.convert(prog, inputs=inputs, minimum_deployment_target=OPSET,
+                       compute_precision=ct.precision.FLOAT32, skip_model_load=True,
+                       convert_to="mlprogram")
+    model.save(os.fspath(path))

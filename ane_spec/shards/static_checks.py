@@ -1,0 +1,150 @@
+"""Checks run on every built package, by reading it back from disk.
+
+They read the saved protobuf (names, types, op list) without loading the weight blobs, so checking
+a 2 GB shard costs well under a second: every input shares the one RangeDim token axis, states
+are fp16 and fixed-shape, no op outside the set the compiler emits, weights in the requested
+format.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import coremltools as ct
+from coremltools.proto import MIL_pb2
+
+from ane_spec.errors import BuildError
+from ane_spec.shards.weights import WeightFormat
+
+LAYER_OPS = frozenset({
+    "const", "constexpr_blockwise_shift_scale", "conv", "concat", "layer_norm", "slice_by_index",
+    "mul", "add", "sub", "split", "reshape", "transpose", "matmul", "reduce_sum", "softmax",
+    "cast", "silu", "read_state", "identity",
+    # A saved package stores each coreml_update_state as write_state followed by read_state.
+    "write_state",
+})
+HEAD_OPS = LAYER_OPS | {"reduce_max", "reduce_argmax"}
+
+_DTYPES = {MIL_pb2.FLOAT16: "fp16", MIL_pb2.FLOAT32: "fp32", MIL_pb2.INT32: "int32",
+           MIL_pb2.INT8: "int8", MIL_pb2.UINT8: "uint8", MIL_pb2.BOOL: "bool",
+           MIL_pb2.INT64: "int64"}
+
+
+@dataclass
+class PackageFacts:
+    """What a package says about itself, read from its spec."""
+
+    inputs: dict[str, tuple[list[int], list[tuple[int, int]]]]  # name -> (shape, ranges)
+    outputs: list[str]
+    states: dict[str, tuple[list[int], str]]                    # name -> (shape, dtype)
+    ops: Counter = field(default_factory=Counter)
+    conv_weights: list[tuple[str, str, list[int], list[int] | None]] = field(default_factory=list)
+    # (conv op name, weight source: "fp16"|"int8"|..., data shape, scale shape or None)
+
+
+def read_package_facts(path: Path) -> PackageFacts:
+    spec = ct.models.MLModel(str(path), skip_model_load=True).get_spec()
+    desc = spec.description
+    inputs = {}
+    for i in desc.input:
+        arr = i.type.multiArrayType
+        ranges = [(r.lowerBound, r.upperBound) for r in arr.shapeRange.sizeRanges]
+        inputs[i.name] = (list(arr.shape), ranges)
+    states = {}
+    for s in desc.state:
+        arr = s.type.stateType.arrayType
+        states[s.name] = (list(arr.shape), _array_dtype(arr.dataType))
+    facts = PackageFacts(inputs=inputs, outputs=[o.name for o in desc.output], states=states)
+
+    func = spec.mlProgram.functions["main"]
+    block = func.block_specializations[func.opset]
+    produced: dict[str, tuple[str, str, list[int], list[int] | None]] = {}
+    for op in block.operations:
+        facts.ops[op.type] += 1
+        if not op.outputs:  # e.g. coreml_update_state whose result nothing reads
+            continue
+        out = op.outputs[0]
+        if op.type == "const":
+            produced[out.name] = ("const", _tensor_dtype(out.type), _dims(out.type), None)
+        elif op.type == "constexpr_blockwise_shift_scale":
+            data, scale = _source(op, "data", produced), _source(op, "scale", produced)
+            produced[out.name] = ("blockwise", data[1], data[2], scale[2])
+        elif op.type == "conv":
+            src = _source(op, "weight", produced)
+            facts.conv_weights.append((out.name, src[1], src[2], src[3]))
+    return facts
+
+
+def check_package(path: Path, *, kind: str, weights: WeightFormat, max_t: int = 4) -> PackageFacts:
+    """Raise BuildError naming every violation; return the facts for the manifest."""
+    facts = read_package_facts(path)
+    problems: list[str] = []
+
+    for name, (shape, ranges) in facts.inputs.items():
+        flexible = [(axis, r) for axis, r in enumerate(ranges) if r[0] != r[1]]
+        if len(flexible) != 1 or flexible[0][1] != (1, max_t):
+            problems.append(f"input '{name}' must have exactly one RangeDim(1, {max_t}) axis, "
+                            f"has ranges {ranges}")
+    for name, (shape, dtype) in facts.states.items():
+        if dtype != "fp16":
+            problems.append(f"state '{name}' is {dtype}, must be fp16")
+        if any(d <= 0 for d in shape):
+            problems.append(f"state '{name}' has a non-fixed shape {shape}")
+
+    allowed = HEAD_OPS if kind == "head" else LAYER_OPS
+    extra = sorted(set(facts.ops) - allowed)
+    if extra:
+        problems.append(f"ops outside the compiler's set: {', '.join(extra)}")
+
+    for conv, dtype, data_shape, scale_shape in facts.conv_weights:
+        problem = _weight_problem(weights, dtype, data_shape, scale_shape)
+        if problem:
+            problems.append(f"conv '{conv}': {problem}")
+    if not facts.conv_weights:
+        problems.append("no conv ops: not a layer or head package")
+
+    if problems:
+        raise BuildError(f"static checks failed for {path.name}:\n  - " + "\n  - ".join(problems))
+    return facts
+
+
+def _weight_problem(fmt: WeightFormat, dtype: str, data: list[int],
+                    scale: list[int] | None) -> str | None:
+    if fmt == "fp16":
+        return None if scale is None and dtype == "fp16" else f"weights are {dtype}, not fp16"
+    if scale is None or dtype != "int8":
+        return f"weights are {dtype} without a blockwise scale, not {fmt}"
+    per_channel = scale[1:] == [1] * (len(scale) - 1)
+    if fmt == "int8-channel" and not per_channel:
+        return f"scale shape {scale} is not one scale per output channel"
+    if fmt == "q8-block" and (per_channel or data[1] // scale[1] != 32):
+        return f"scale shape {scale} is not one scale per 32 inputs"
+    return None
+
+
+def _source(op: MIL_pb2.Operation, name: str,
+            produced: dict[str, tuple[str, str, list[int], list[int] | None]]
+            ) -> tuple[str, str, list[int], list[int] | None]:
+    """Where an op's argument comes from: an earlier op by name, or a value stored inline."""
+    binding = op.inputs[name].arguments[0]
+    if binding.WhichOneof("binding") == "name":
+        return produced.get(binding.name, ("computed", "computed", [], None))
+    return ("const", _tensor_dtype(binding.value.type), _dims(binding.value.type), None)
+
+
+def _dims(t: MIL_pb2.ValueType) -> list[int]:
+    return [d.constant.size if d.WhichOneof("dimension") == "constant" else -1
+            for d in t.tensorType.dimensions]
+
+
+def _tensor_dtype(t: MIL_pb2.ValueType) -> str:
+    return _DTYPES.get(t.tensorType.dataType, str(t.tensorType.dataType))
+
+
+def _array_dtype(code: int) -> str:
+    from coremltools.proto import FeatureTypes_pb2 as ft
+
+    return {ft.ArrayFeatureType.FLOAT16: "fp16", ft.ArrayFeatureType.FLOAT32: "fp32",
+            ft.ArrayFeatureType.INT32: "int32"}.get(code, str(code))

@@ -1,0 +1,199 @@
+"""The shard compiler on tiny synthetic models: interface, op inventory, errors, atomicity, reuse."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from ane_spec.errors import BuildError, GGUFError, ManifestError
+from ane_spec.manifests.store import load_manifest
+from ane_spec.model.synthetic import preset
+from ane_spec.shards import build as build_module
+from ane_spec.shards.build import BuildRequest, build
+from ane_spec.shards.static_checks import read_package_facts
+from ane_spec.shards.topology import check_budget, parse_topology, plan_topology
+from tests.gguf_edit import rewrite_gguf
+
+S = 64
+
+
+def _leftovers(parent: Path) -> list[str]:
+    return [p.name for p in parent.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("topology,layout,weights,argmax", [
+    ("2,1", "BCT1", "int8-channel", False),
+    ("0:1,1:2,2:3", "BC1T", "q8-block", False),
+    ("3", "BCT1", "fp16", True),
+])
+def test_build_interface_and_ops(tiny_gguf: Path, tmp_path: Path, topology: str, layout: str,
+                                 weights: str, argmax: bool) -> None:
+    out = tmp_path / "art"
+    req = BuildRequest(topology=topology, max_seq=S, layout=layout, weights=weights,
+                       head_argmax=argmax, head_chunks=3)
+    result = build(tiny_gguf, out, req)
+    m = load_manifest(out).manifest
+    assert [tuple(s.layers) for s in m.shards] == parse_topology(topology, 3)
+    assert len(result.built) == len(m.shards) + 1 and not _leftovers(tmp_path)
+    hidden = [1, 192, "T", 1] if layout == "BCT1" else [1, 192, 1, "T"]
+
+    for shard in m.shards:
+        facts = read_package_facts(out / shard.file.path)
+        a, b = shard.layers
+        # Every input carries the one RangeDim(1, 4) token axis, at the position the manifest says.
+        assert {s.name: s.shape for s in shard.inputs} == {
+            "x": hidden, "rope_cos": ["T", 12], "rope_sin": ["T", 12],
+            "attn_mask": [1, 1, "T", S], "kv_write_mask": [1, 1, S, "T"]}
+        for spec in shard.inputs:
+            shape, ranges = facts.inputs[spec.name]
+            assert [r for r, d in zip(ranges, spec.shape) if d == "T"] == [(1, 4)]
+            assert all(lo == hi for (lo, hi), d in zip(ranges, spec.shape) if d != "T")
+        assert [o.name for o in shard.outputs] == ["hidden"] == facts.outputs
+        expected_states = {f"layer_{i}_{kv}": ([1, 2, S, 32], "fp16")
+                           for i in range(a, b) for kv in "kv"}
+        assert facts.states == expected_states
+        n = b - a
+        ops = facts.ops
+        assert ops["conv"] == 4 * n and ops["layer_norm"] == 2 * n and ops["softmax"] == n
+        assert ops["write_state"] == 2 * n and ops["cast"] == 2 * n and ops["matmul"] == 4 * n
+        blockwise = ops["constexpr_blockwise_shift_scale"]
+        assert blockwise == (0 if weights == "fp16" else 4 * n)
+        for _, dtype, data, scale in facts.conv_weights:
+            if weights == "int8-channel":
+                assert dtype == "int8" and scale[1:] == [1, 1, 1]
+            elif weights == "q8-block":
+                assert dtype == "int8" and scale[1] == data[1] // 32
+            else:
+                assert dtype == "fp16" and scale is None
+
+    head = read_package_facts(out / m.head.file.path)
+    assert m.head.chunks == [(0, 341), (341, 682), (682, 1024)]
+    if argmax:
+        assert head.outputs == ["max_0", "argmax_0", "max_1", "argmax_1", "max_2", "argmax_2"]
+        assert [o.dtype for o in m.head.outputs][:2] == ["fp16", "int32"]
+        assert head.ops["reduce_argmax"] == 3
+    else:
+        assert head.outputs == ["logits_0", "logits_1", "logits_2"]
+        assert m.head.outputs[0].shape == ([1, 341, "T", 1] if layout == "BCT1" else [1, 341, 1, "T"])
+    assert m.embeddings.format == "q8_0" and set(m.embeddings.files) == {"qs", "scales"}
+    assert m.rope.factor_set == "short" and m.rope.context_window == S
+    q = m.shards[0].quant
+    assert q.format == weights and (q.worst_cosine == 1.0 if weights == "q8-block" else
+                                    0.999 < q.worst_cosine <= 1.0)
+
+
+def test_rebuild_reuses_unchanged_packages(tiny_gguf: Path, tmp_path: Path) -> None:
+    out = tmp_path / "art"
+    req = BuildRequest(topology="2,1", max_seq=S)
+    build(tiny_gguf, out, req)
+    again = build(tiny_gguf, out, req, force=True)
+    assert again.built == [] and len(again.reused) == 3
+    changed_head = build(tiny_gguf, out, req.model_copy(update={"head_chunks": 2}), force=True)
+    assert changed_head.built == ["head.mlpackage"] and len(changed_head.reused) == 2
+    load_manifest(out)  # hashes still verify after the swap
+    assert not _leftovers(tmp_path)
+
+
+def test_long_context_build_records_long_factors(tiny_gguf: Path, tmp_path: Path) -> None:
+    m = load_manifest(build(tiny_gguf, tmp_path / "a", BuildRequest(topology="3",
+                                                                    max_seq=8192)).manifest_path)
+    assert m.manifest.rope.factor_set == "long"
+
+
+# --- bad input: a clear error, nothing half-built ------------------------------------------
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"topology": "2,2"}, "covers 4 layers; the model has 3"),
+    ({"topology": "0:1,2:3"}, "layers 1 are in no shard"),
+    ({"topology": "0:2,1:3"}, "layer 1 is in shard 0 and shard 1"),
+    ({"topology": "x,y"}, "expected layer counts"),
+    ({"max_seq": 100}, "multiple of 32"),
+    ({"max_shard_mb": 0, "topology": "3"}, "over --max-shard-mb 0"),
+    ({"head_chunks": 0}, "--head-chunks 0"),
+    ({"min_weight_cosine": 0.99999999}, "below --min-weight-cosine"),
+])
+def test_bad_requests(tiny_gguf: Path, tmp_path: Path, kwargs: dict, message: str) -> None:
+    out = tmp_path / "art"
+    with pytest.raises(BuildError, match=message):
+        build(tiny_gguf, out, BuildRequest(**({"max_seq": S} | kwargs)))
+    assert not out.exists() and not _leftovers(tmp_path)
+
+
+def test_unsupported_gguf(tiny_gguf: Path, tmp_path: Path) -> None:
+    bad = rewrite_gguf(tiny_gguf, tmp_path / "llama.gguf", arch="llama")
+    with pytest.raises(GGUFError, match="architecture"):
+        build(bad, tmp_path / "art", BuildRequest(max_seq=S))
+    assert not (tmp_path / "art").exists()
+
+
+def test_existing_output_needs_force(tiny_gguf: Path, tmp_path: Path) -> None:
+    out = tmp_path / "art"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(BuildError, match="already exists; pass --force"):
+        build(tiny_gguf, out, BuildRequest(max_seq=S))
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_failure_midway_keeps_the_previous_build(tiny_gguf: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "art"
+    build(tiny_gguf, out, BuildRequest(topology="2,1", max_seq=S))
+    before = (out / "manifest.json").read_text()
+    real_save = build_module.save_package
+    calls = Counter()
+
+    def flaky_save(prog, path):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("disk full")
+        real_save(prog, path)
+
+    monkeypatch.setattr(build_module, "save_package", flaky_save)
+    with pytest.raises(OSError, match="disk full"):
+        build(tiny_gguf, out, BuildRequest(topology="1,1,1", max_seq=S), force=True)
+    assert (out / "manifest.json").read_text() == before
+    load_manifest(out)
+    assert not _leftovers(tmp_path)
+
+
+def test_real_size_budgets() -> None:
+    c = preset("phi4-mini").to_config()
+    check_budget(parse_topology("20,4,6,2", 32), c, "int8-channel", 2000)  # ane-book's layout
+    with pytest.raises(BuildError, match=r"shard \[0,24\).*at most 20 layers per shard"):
+        check_budget(parse_topology("24,8", 32), c, "int8-channel", 2000)
+    assert plan_topology(c, "int8-channel", 2000) == [(0, 20), (20, 32)]
+    assert plan_topology(c, "fp16", 2000) == [(0, 10), (10, 20), (20, 30), (30, 32)]
+
+
+# --- manifest verification --------------------------------------------------------------------
+
+def test_manifest_detects_tampering(tiny_gguf: Path, tmp_path: Path) -> None:
+    out = tmp_path / "art"
+    build(tiny_gguf, out, BuildRequest(topology="3", max_seq=S))
+    m = load_manifest(out).manifest
+    weights = next((out / m.shards[0].file.path).rglob("weight.bin"))
+    data = bytearray(weights.read_bytes())
+    data[1000] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ManifestError, match="does not match its recorded sha256"):
+        load_manifest(out)
+    load_manifest(out, verify=False)  # --no-verify skips the hashes
+
+    (out / "embeddings" / "embed_scales.npy").unlink()
+    with pytest.raises(ManifestError, match="embed_scales.npy' is missing"):
+        load_manifest(out, verify=False)
+
+    raw = json.loads((out / "manifest.json").read_text())
+    raw["schema_version"] = 99
+    (out / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(ManifestError, match="schema_version 99"):
+        load_manifest(out)
+    (out / "manifest.json").write_text("{not json")
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        load_manifest(out)
+    with pytest.raises(ManifestError, match="no manifest"):
+        load_manifest(tmp_path / "nowhere")
