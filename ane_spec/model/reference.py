@@ -16,7 +16,7 @@ the model contract (config, tensors, RoPE tables). It is written for clarity, no
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,11 +46,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, tail], dim=-1)
 
 
-class Weights:
-    """Float views of the GGUF matrices, cached or re-dequantized per use (see the limit above)."""
+WeightTransform = Callable[[str, np.ndarray], np.ndarray]
 
-    def __init__(self, gguf: GGUFModel, dtype: torch.dtype, materialize: bool):
+
+class Weights:
+    """Float views of the GGUF matrices, cached or re-dequantized per use (see the limit above).
+
+    `transform(name, values)` may replace a tensor's values, e.g. with the values a build stores
+    after requantization; embedding lookups (`rows`) always read the file's own values.
+    """
+
+    def __init__(self, gguf: GGUFModel, dtype: torch.dtype, materialize: bool,
+                 transform: WeightTransform | None = None):
         self.gguf, self.dtype, self.materialize = gguf, dtype, materialize
+        self.transform = transform
         self._cache: dict[str, torch.Tensor] = {}
 
     def __call__(self, name: str) -> torch.Tensor:
@@ -65,8 +74,11 @@ class Weights:
         return torch.from_numpy(self.gguf.tensor(name).rows(np.asarray(ids))).to(self.dtype)
 
     def _load(self, t: Tensor) -> torch.Tensor:
+        values = t.dequantize(np.float32)
+        if self.transform is not None:
+            values = self.transform(t.name, values)
         # torch.tensor copies: F32 tensors come back as read-only views of the memmap.
-        return torch.tensor(t.dequantize(np.float32), dtype=self.dtype)
+        return torch.tensor(values, dtype=self.dtype)
 
 
 @dataclass
@@ -83,7 +95,8 @@ class ReferenceModel:
     """Runs token lists to logits with llama.cpp's semantics, in float32 or float64."""
 
     def __init__(self, gguf: GGUFModel, *, context_window: int = 4096,
-                 dtype: torch.dtype = torch.float32, materialize: bool | None = None):
+                 dtype: torch.dtype = torch.float32, materialize: bool | None = None,
+                 weight_transform: WeightTransform | None = None):
         self.gguf = gguf
         self.config = c = gguf.config
         self.context_window = context_window
@@ -91,7 +104,7 @@ class ReferenceModel:
         self.dtype = dtype
         if materialize is None:
             materialize = c.num_parameters() * torch.finfo(dtype).bits // 8 <= MATERIALIZE_LIMIT_BYTES
-        self.w = Weights(gguf, dtype, materialize)
+        self.w = Weights(gguf, dtype, materialize, weight_transform)
         self.head_name = "output.weight" if not c.tied_embeddings else "token_embd.weight"
 
     def new_cache(self) -> KVCache:

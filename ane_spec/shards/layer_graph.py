@@ -27,9 +27,6 @@ from ane_spec.shards.weights import ConvWeight
 
 Layout = Literal["BC1T", "BCT1"]
 LAYOUTS: tuple[Layout, ...] = ("BCT1", "BC1T")
-# Additive mask value for hidden slots: finite so fp16 adds stay finite, and far below any real
-# score so exp() underflows to exactly 0 in the fp32 softmax.
-MASK_VALUE = -1.0e4
 
 
 @dataclass

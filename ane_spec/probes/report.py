@@ -1,0 +1,56 @@
+"""A gate's verdict: one JSON object on stdout or disk, and a line in the manifest's `gates`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from ane_spec.manifests.schema import GateResult
+from ane_spec.manifests.store import LoadedManifest, record_gate
+
+
+@dataclass
+class GateReport:
+    gate: str
+    passed: bool
+    backend: str
+    precision: str | None
+    figures: dict[str, Any] = field(default_factory=dict)   # min_cosine, argmax_agreement, ...
+    thresholds: dict[str, Any] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)   # per-position / per-shard lists
+    skipped: str | None = None                               # why, when it could not run here
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        # Scripts read the headline figures at the top level (gate, passed, min_cosine, ...).
+        return {**{k: v for k, v in d.items() if k != "figures"}, **self.figures}
+
+    def summary(self) -> str:
+        if self.skipped:
+            return f"{self.gate}: SKIPPED ({self.skipped})"
+        figs = ", ".join(f"{k} {_fmt(v)}" for k, v in self.figures.items())
+        where = self.backend + (f"/{self.precision}" if self.precision else "")
+        return f"{self.gate} [{where}]: {'PASS' if self.passed else 'FAIL'}  {figs}"
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.6f}" if isinstance(v, float) else str(v)
+
+
+def save_report(report: GateReport, loaded: LoadedManifest) -> Path:
+    """Write the full report next to the manifest and record the verdict in it."""
+    folder = loaded.root / "gates"
+    folder.mkdir(exist_ok=True)
+    suffix = "-".join(p for p in (report.backend, report.precision) if p)
+    path = folder / f"{report.gate}-{suffix}.json"
+    path.write_text(json.dumps(report.to_dict(), indent=2, default=float) + "\n")
+    if report.skipped is None:
+        record_gate(loaded.root, f"{report.gate}:{suffix}", GateResult(
+            passed=report.passed, backend=report.backend, precision=report.precision,
+            figures={k: v for k, v in report.figures.items() if not isinstance(v, list)},
+            report=path.relative_to(loaded.root).as_posix(),
+            at=datetime.now(timezone.utc).isoformat(timespec="seconds")))
+    return path

@@ -1,0 +1,41 @@
+"""The MIL interpreter as a backend: runs the shipped packages with numpy, on any OS."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ane_spec.runtime.backend import Precision
+from ane_spec.runtime.mil_interpreter import MILInterpreter
+
+
+class MILProgram:
+    def __init__(self, interp: MILInterpreter):
+        self.interp = interp
+        self.input_names = interp.input_names
+        self.output_names = interp.output_names
+        self.state_names = interp.state_names
+
+    def make_state(self) -> dict[str, np.ndarray] | None:
+        return self.interp.make_state() if self.state_names else None
+
+    def predict(self, inputs: dict[str, np.ndarray], state: Any = None) -> dict[str, np.ndarray]:
+        return self.interp.predict(inputs, state)
+
+    def read_state(self, state: dict[str, np.ndarray], name: str) -> np.ndarray:
+        return np.array(state[name], dtype=np.float32)
+
+
+class MILBackend:
+    name = "mil"
+
+    def __init__(self, precision: Precision = "fp32"):
+        self.precision: Precision = precision
+
+    def load(self, package: Path) -> MILProgram:
+        return MILProgram(MILInterpreter.from_package(package, precision=self.precision))
+
+    def describe(self) -> str:
+        return f"MIL interpreter ({self.precision})"
