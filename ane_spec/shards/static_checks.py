@@ -42,6 +42,10 @@ class PackageFacts:
     ops: Counter = field(default_factory=Counter)
     conv_weights: list[tuple[str, str, list[int], list[int] | None]] = field(default_factory=list)
     # (conv op name, weight source: "fp16"|"int8"|..., data shape, scale shape or None)
+    output_dtypes: dict[str, str] = field(default_factory=dict)  # op output name -> tensor dtype
+    blockwise: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
+    # (output name, data shape, scale shape) of every constexpr_blockwise_shift_scale
+    enumerated_inputs: list[str] = field(default_factory=list)  # inputs with EnumeratedShapes
 
 
 def read_package_facts(path: Path) -> PackageFacts:
@@ -57,6 +61,9 @@ def read_package_facts(path: Path) -> PackageFacts:
         arr = s.type.stateType.arrayType
         states[s.name] = (list(arr.shape), _array_dtype(arr.dataType))
     facts = PackageFacts(inputs=inputs, outputs=[o.name for o in desc.output], states=states)
+    facts.enumerated_inputs = [i.name for i in desc.input if i.type.WhichOneof("Type") ==
+                               "multiArrayType" and i.type.multiArrayType.WhichOneof(
+                                   "ShapeFlexibility") == "enumeratedShapes"]
 
     func = spec.mlProgram.functions["main"]
     block = func.block_specializations[func.opset]
@@ -65,12 +72,16 @@ def read_package_facts(path: Path) -> PackageFacts:
         facts.ops[op.type] += 1
         if not op.outputs:  # e.g. coreml_update_state whose result nothing reads
             continue
+        for o in op.outputs:
+            if o.type.WhichOneof("type") == "tensorType":
+                facts.output_dtypes[o.name] = _tensor_dtype(o.type)
         out = op.outputs[0]
         if op.type == "const":
             produced[out.name] = ("const", _tensor_dtype(out.type), _dims(out.type), None)
         elif op.type == "constexpr_blockwise_shift_scale":
             data, scale = _source(op, "data", produced), _source(op, "scale", produced)
             produced[out.name] = ("blockwise", data[1], data[2], scale[2])
+            facts.blockwise.append((out.name, data[2], scale[2]))
         elif op.type == "conv":
             src = _source(op, "weight", produced)
             facts.conv_weights.append((out.name, src[1], src[2], src[3]))

@@ -1,0 +1,126 @@
+"""Where a package's ops run: Core ML's compute plan (macOS), and a static lint (anywhere).
+
+`residency_report` is the measurement: it asks Core ML which device each op of the compiled
+program prefers, and applies ane-book's gate (every `conv` and every other op except consts and
+`constexpr_*` weight decompression prefers the Neural Engine). `ane_lint` only reads the package
+for patterns known to fall off the ANE; a clean lint is never a claim of residency.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ane_spec.errors import AneSpecError
+from ane_spec.runtime.coreml_backend import check_compute_units, compile_package, require_macos
+from ane_spec.shards.static_checks import read_package_facts
+from ane_spec.shards.topology import DEFAULT_MAX_SHARD_MB, MIB
+
+
+@dataclass
+class ResidencyReport:
+    package: str
+    compute_units: str
+    conv_total: int = 0
+    conv_non_ane: int = 0
+    compute_total: int = 0
+    compute_non_ane: int = 0
+    non_ane_ops: list[dict[str, Any]] = field(default_factory=list)
+    # each {"op": type, "output": first output name, "device": preferred device, "cost": weight}
+
+    @property
+    def passed(self) -> bool:
+        """Every compute op (convs included) prefers the ANE; an empty plan never passes."""
+        return self.compute_total > 0 and self.conv_non_ane == 0 and self.compute_non_ane == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"passed": self.passed}
+
+
+def residency_report(package: Path, compute_units: str = "CPU_AND_NE") -> ResidencyReport:
+    check_compute_units(compute_units)
+    require_macos("the residency report")
+    import coremltools as ct
+    from coremltools.models.compute_device import MLNeuralEngineComputeDevice
+    from coremltools.models.compute_plan import MLComputePlan
+
+    compiled = compile_package(package)
+    # MLComputePlan.load_from_path(path, compute_units) on the .mlmodelc (models/compute_plan.py)
+    plan = MLComputePlan.load_from_path(str(compiled), compute_units=ct.ComputeUnit[compute_units])
+    program = plan.model_structure.program
+    if program is None:
+        raise AneSpecError(f"{package} is not an ML program")
+    report = ResidencyReport(str(package), compute_units)
+    # program.functions["main"].block.operations, op.operator_name, op.outputs[i].name: the
+    # dataclasses in models/compute_plan.py, walked the same way in test_compute_plan_utils.py.
+    for op in program.functions["main"].block.operations:
+        kind = op.operator_name.rsplit(".", 1)[-1]  # compiled names may carry the opset: ios18.conv
+        if kind == "const" or kind.startswith("constexpr_"):
+            continue  # weights and their decompression: no device usage
+        usage = plan.get_compute_device_usage_for_mlprogram_operation(op)
+        device = usage.preferred_compute_device if usage is not None else None
+        report.compute_total += 1
+        report.conv_total += kind == "conv"
+        if isinstance(device, MLNeuralEngineComputeDevice):  # as test_compute_plan_utils.py
+            continue
+        report.compute_non_ane += 1
+        report.conv_non_ane += kind == "conv"
+        cost = plan.get_estimated_cost_for_mlprogram_operation(op)  # MLComputePlanCost | None
+        report.non_ane_ops.append({
+            "op": op.operator_name, "output": op.outputs[0].name if op.outputs else "",
+            "device": type(device).__name__ if device is not None else "none",
+            "cost": cost.weight if cost is not None else None})
+    return report
+
+
+@dataclass
+class LintWarning:
+    package: str
+    code: str
+    message: str
+
+
+def ane_lint(package: Path, *, max_shard_mb: int = DEFAULT_MAX_SHARD_MB) -> list[LintWarning]:
+    """Patterns in the package known to keep ops off the ANE. Reads the spec, not the weights."""
+    package = Path(package)
+    facts = read_package_facts(package)
+    found: list[LintWarning] = []
+
+    def warn(code: str, message: str) -> None:
+        found.append(LintWarning(str(package), code, message))
+
+    blocked = [(name, scale) for name, data, scale in facts.blockwise if _per_block(data, scale)]
+    if blocked:
+        warn("per-block-scales", f"{len(blocked)} weight(s) have per-block scales (e.g. "
+             f"'{blocked[0][0]}', scale shape {blocked[0][1]}): the ANE only supports "
+             "per-output-channel or per-tensor scales (coremltools #2510); use int8-channel")
+    for name, (shape, _) in facts.states.items():
+        if any(d != 1 and d % 32 for d in shape[-2:]):
+            warn("state-dim-not-32", f"state '{name}' has shape {shape}: a state dimension that "
+                 "is not a multiple of 32 fails on the ANE (coremltools #2631)")
+    flexible = {n for n, (_, ranges) in facts.inputs.items() if any(a != b for a, b in ranges)}
+    fixed = set(facts.inputs) - flexible - set(facts.enumerated_inputs)
+    if facts.states and flexible and fixed:
+        warn("mixed-fixed-range", f"stateful program mixes fixed-shape inputs {sorted(fixed)} "
+             f"with RangeDim inputs {sorted(flexible)}: crashes Core ML (coremltools #2548)")
+    if facts.states and facts.enumerated_inputs:
+        warn("enumerated-shapes-state", f"inputs {facts.enumerated_inputs} use EnumeratedShapes "
+             "in a stateful program: fails with std::bad_cast; use one RangeDim")
+    if facts.ops["topk"]:
+        warn("topk", f"{facts.ops['topk']} topk op(s): topk runs on the CPU")
+    int64 = sorted(n for n, dtype in facts.output_dtypes.items() if dtype == "int64")
+    if int64:
+        warn("int64", f"{len(int64)} int64 tensor(s) (e.g. '{int64[0]}'): the ANE has no int64")
+    size = sum(p.stat().st_size for p in package.rglob("*") if p.is_file())
+    if size > max_shard_mb * MIB:
+        warn("oversize", f"package is {size / MIB:,.1f} MiB, over {max_shard_mb} MiB: shards "
+             "above ~1.9-2.3 GiB compiled but ran off the ANE (measured, Phi-4-mini)")
+    return found
+
+
+def _per_block(data: list[int], scale: list[int]) -> bool:
+    """More than per-tensor or one-scale-per-row-of-one-axis: several scales along an axis that
+    are not one per element, or scales along more than one axis."""
+    split = [(d, s) for d, s in zip(data, scale) if s != 1]
+    return len(split) > 1 or any(s != d for d, s in split)

@@ -1,0 +1,197 @@
+"""The Core ML backend: refuses cleanly off macOS; on macOS, agrees with the MIL interpreter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ane_spec.errors import AneSpecError
+from ane_spec.runtime.backend import BackendUnavailable, LoadedProgram, make_backend
+from ane_spec.runtime.coreml_backend import COMPUTE_UNITS, CoreMLBackend, compile_package
+
+ON_MAC = sys.platform == "darwin"
+mac_only = pytest.mark.skipif(not ON_MAC, reason="Core ML compiles and runs models only on "
+                              "macOS; coremltools on Linux cannot predict or make states")
+S = 64
+
+
+@pytest.mark.skipif(ON_MAC, reason="off-macOS behaviour")
+@pytest.mark.parametrize("units", COMPUTE_UNITS)
+def test_off_macos_the_backend_is_unavailable(units: str) -> None:
+    with pytest.raises(BackendUnavailable, match="needs macOS.*--backend mil"):
+        CoreMLBackend(units)
+    with pytest.raises(BackendUnavailable, match="macOS"):
+        make_backend("coreml", compute_units=units)
+    with pytest.raises(BackendUnavailable, match="macOS"):
+        compile_package(Path("head.mlpackage"))
+
+
+@pytest.mark.parametrize("units", ["NPU", "cpu_and_ne", ""])
+def test_unknown_compute_units_list_the_choices(units: str) -> None:
+    with pytest.raises(AneSpecError, match="ALL, CPU_ONLY, CPU_AND_GPU, CPU_AND_NE") as err:
+        CoreMLBackend(units)
+    assert not isinstance(err.value, BackendUnavailable)
+
+
+def test_import_does_not_load_coremltools() -> None:
+    code = ("import sys, ane_spec.runtime.coreml_backend; "
+            "print(sorted(m for m in sys.modules if m.startswith('coremltools')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=os.environ | {"PYTHONPATH": str(Path(__file__).parents[1])})
+    assert out.stdout.strip() == "[]"
+
+
+def test_compile_package_keeps_and_refreshes(tmp_path: Path, monkeypatch) -> None:
+    """The caching and atomic swap, with coremltools' compile_model replaced by a fake (only
+    macOS can really compile)."""
+    import coremltools.models.utils as ct_utils
+
+    from ane_spec.runtime import coreml_backend
+
+    calls = []
+
+    def fake_compile(model: str, destination_path: str) -> str:
+        assert destination_path.endswith(".mlmodelc") and Path(destination_path).name[0] == "."
+        calls.append(model)
+        if len(calls) == 3:
+            raise RuntimeError("compiler failed")
+        Path(destination_path).mkdir()
+        (Path(destination_path) / "model.mil").write_text(str(len(calls)))
+        return destination_path
+
+    monkeypatch.setattr(coreml_backend, "require_macos", lambda what: None)
+    monkeypatch.setattr(ct_utils, "compile_model", fake_compile)
+    package = tmp_path / "head.mlpackage"
+    (package / "Data").mkdir(parents=True)
+    (package / "Data" / "weights.bin").write_bytes(b"w")
+    old = os.stat(package).st_mtime - 10
+    for p in (package, package / "Data", package / "Data" / "weights.bin"):
+        os.utime(p, (old, old))
+
+    compiled = compile_package(package)
+    assert compiled == tmp_path / "head.mlmodelc" and len(calls) == 1
+    assert compile_package(package) == compiled and len(calls) == 1  # newer: reused
+    future = compiled.stat().st_mtime + 10
+    os.utime(package / "Data" / "weights.bin", (future, future))
+    compile_package(package)
+    assert len(calls) == 2 and (compiled / "model.mil").read_text() == "2"
+    os.utime(package / "Data" / "weights.bin", (future + 10, future + 10))
+    with pytest.raises(RuntimeError):
+        compile_package(package)
+    assert (compiled / "model.mil").read_text() == "2"  # the old compile survives a failure
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["head.mlmodelc", "head.mlpackage"]
+
+
+class FakeModel:
+    def __init__(self) -> None:
+        self.seen: list[tuple[dict, object]] = []
+
+    def make_state(self) -> str:
+        return "state"
+
+    def predict(self, data: dict, state: object = "absent") -> dict:
+        self.seen.append((data, state))
+        return {"y": [1.0, 2.0]}
+
+
+def test_program_casts_inputs_and_passes_state_only_when_stateful() -> None:
+    from ane_spec.runtime.coreml_backend import CoreMLProgram
+
+    model = FakeModel()
+    stateless = CoreMLProgram(model, ["x"], ["y"], [])
+    assert stateless.make_state() is None
+    x = np.ones((1, 4), dtype=np.float32)
+    out = stateless.predict({"x": x})
+    assert isinstance(out["y"], np.ndarray) and x.dtype == np.float32
+    data, state = model.seen[-1]
+    assert data["x"].dtype == np.float16 and state == "absent"
+
+    stateful = CoreMLProgram(model, ["x"], ["y"], ["layer_0_k"])
+    assert stateful.make_state() == "state"
+    stateful.predict({"x": x}, "state")
+    assert model.seen[-1][1] == "state"
+    with pytest.raises(AneSpecError, match="make_state"):
+        stateful.predict({"x": x})
+
+
+# --- macOS only ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory: pytest.TempPathFactory):
+    from ane_spec.manifests.store import load_manifest
+    from ane_spec.model.synthetic import preset, write_synthetic_gguf
+    from ane_spec.shards.build import BuildRequest, build
+
+    root = tmp_path_factory.mktemp("coreml")
+    gguf = write_synthetic_gguf(root / "tiny2.gguf", preset("tiny", num_layers=2, embed_std=1.0,
+                                                            branch_scale=1.0, seed=7))
+    build(gguf, root / "art", BuildRequest(topology="2", max_seq=S))
+    return root / "art", load_manifest(root / "art").manifest
+
+
+def layer_inputs(entry, pos: int, t: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Host inputs for tokens pos..pos+t-1 (arbitrary rotation angles: both backends get the
+    same ones, and they only need to agree)."""
+    shapes = {s.name: [t if d == "T" else d for d in s.shape] for s in entry.inputs}
+    angles = rng.uniform(-np.pi, np.pi, size=shapes["rope_cos"])
+    mask = np.full(shapes["attn_mask"], -1e4, dtype=np.float16)
+    write = np.zeros(shapes["kv_write_mask"], dtype=np.float16)
+    for i in range(t):
+        mask[0, 0, i, : pos + i + 1] = 0
+        write[0, 0, pos + i, i] = 1
+    return {"x": rng.standard_normal(shapes["x"]).astype(np.float16),
+            "rope_cos": np.cos(angles).astype(np.float16),
+            "rope_sin": np.sin(angles).astype(np.float16), "attn_mask": mask,
+            "kv_write_mask": write}
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = np.ravel(a).astype(np.float64), np.ravel(b).astype(np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+@mac_only
+def test_compile_is_kept_and_reused(artifacts) -> None:
+    out, m = artifacts
+    package = out / m.head.file.path
+    compiled = compile_package(package)
+    assert compiled == out / "head.mlmodelc" and compiled.is_dir()
+    stamp = compiled.stat().st_mtime_ns
+    assert compile_package(package) == compiled and compiled.stat().st_mtime_ns == stamp
+
+
+@mac_only
+@pytest.mark.parametrize("units", ["CPU_ONLY", "CPU_AND_NE"])
+def test_layers_and_head_agree_with_the_mil_interpreter(artifacts, units: str) -> None:
+    from ane_spec.runtime.mil_backend import MILBackend
+
+    out, m = artifacts
+    shard = m.shards[0]
+    coreml, mil = CoreMLBackend(units), MILBackend("fp16")
+    programs = [b.load(out / shard.file.path) for b in (coreml, mil)]
+    heads = [b.load(out / m.head.file.path) for b in (coreml, mil)]
+    assert isinstance(programs[0], LoadedProgram)
+    assert sorted(programs[0].state_names) == ["layer_0_k", "layer_0_v", "layer_1_k", "layer_1_v"]
+    assert sorted(programs[0].input_names) == sorted(s.name for s in shard.inputs)
+    assert programs[0].output_names == ["hidden"]
+    states = [p.make_state() for p in programs]
+    assert heads[0].make_state() is None
+
+    rng = np.random.default_rng(0)
+    for pos, t in [(0, 1), (1, 4)]:
+        inputs = layer_inputs(shard, pos, t, rng)
+        hidden = [p.predict(dict(inputs), s)["hidden"] for p, s in zip(programs, states)]
+        assert hidden[0].shape == hidden[1].shape == (1, 192, t, 1)
+        assert cosine(*hidden) > 0.999, (units, t)
+        logits = [h.predict({"x": x})["logits_0"] for h, x in zip(heads, hidden)]
+        assert cosine(*logits) > 0.999, (units, t)
+
+    k = [p.read_state(s, "layer_1_k") for p, s in zip(programs, states)]
+    assert k[0].dtype == np.float32 and k[0].shape == (1, 2, S, 32)
+    assert not k[0][:, :, 5:].any()  # rows past the 5 written tokens stay zero
+    assert cosine(k[0][:, :, :5], k[1][:, :, :5]) > 0.999
