@@ -45,17 +45,27 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 def cmd_logits(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from ane_spec.model.gguf_file import open_gguf
+    if (args.gguf is None) == (args.manifest is None):
+        raise AneSpecError("logits takes either a GGUF file (reference forward pass) or "
+                           "--manifest (the built artifacts), not both")
+    if args.manifest is not None:
+        from ane_spec.probes.gates import open_pipeline
+        from ane_spec.runtime.pipeline import prefill_logits
 
-    if args.gguf is None:
-        raise AneSpecError("logits needs a GGUF file (reference) or --manifest (built artifacts)")
-    from ane_spec.model.reference import ReferenceModel
+        _, pipeline = open_pipeline(args.manifest, args.backend, args.precision,
+                                    verify=not args.no_verify)
+        logits = prefill_logits(pipeline, args.tokens)
+        source = f"artifacts, {pipeline.backend.describe()}, T={pipeline.max_t} prefill"
+    else:
+        from ane_spec.model.gguf_file import open_gguf
+        from ane_spec.model.reference import ReferenceModel
 
-    model = ReferenceModel(open_gguf(args.gguf), context_window=args.context)
-    logits = model.logits(args.tokens)
+        model = ReferenceModel(open_gguf(args.gguf), context_window=args.context)
+        logits = model.logits(args.tokens)
+        source = f"reference, {model.rope.factor_set} RoPE factors, context {args.context}"
     np.save(args.out, logits.astype(np.float32))
-    print(f"wrote {args.out}: logits {logits.shape[0]} x {logits.shape[1]} (reference, "
-          f"{model.rope.factor_set} RoPE factors, context {args.context})", file=sys.stderr)
+    print(f"wrote {args.out}: logits {logits.shape[0]} x {logits.shape[1]} ({source})",
+          file=sys.stderr)
     return 0
 
 
@@ -99,6 +109,63 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- gates and probes -------------------------------------------------------------------------
+
+def _print_reports(reports: list, as_json: bool) -> bool:
+    for r in reports:
+        print(json.dumps(r.to_dict(), default=float) if as_json else r.summary())
+    return all(r.passed or r.skipped for r in reports)
+
+
+def cmd_probe_gates(args: argparse.Namespace) -> int:
+    from ane_spec.probes.gates import GATES, platform_note, run_gates
+
+    gates = GATES if args.gate == "all" else (args.gate,)
+    if args.gate == "all" and not args.json:
+        print(platform_note(), file=sys.stderr)
+    reports = run_gates(args.manifest, gates, backend=args.backend, precision=args.precision,
+                        gguf=args.gguf, verify=not args.no_verify)
+    return 0 if _print_reports(reports, args.json) else 1
+
+
+def cmd_probe_synthetic(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ane_spec.probes.gates import residency_or_lint
+    from ane_spec.probes.synthetic import build_synthetic_t4, probe_block
+    from ane_spec.runtime.backend import make_backend
+
+    path, config, max_seq = build_synthetic_t4(args.dims, Path(args.out), args.layout)
+    backend = make_backend(args.backend, precision=args.precision)
+    reports = [probe_block(path, config, max_seq, args.layout, backend, "synthetic-t4"),
+               residency_or_lint(path)]
+    return 0 if _print_reports(reports, args.json) else 1
+
+
+def cmd_probe_layer(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ane_spec.probes.gates import residency_or_lint
+    from ane_spec.probes.synthetic import build_gguf_layer, probe_block
+    from ane_spec.runtime.backend import make_backend
+
+    path, config = build_gguf_layer(args.gguf, args.layer, Path(args.out), args.max_seq,
+                                    args.layout, args.weights)
+    backend = make_backend(args.backend, precision=args.precision)
+    reports = [probe_block(path, config, args.max_seq, args.layout, backend, "layer"),
+               residency_or_lint(path)]
+    return 0 if _print_reports(reports, args.json) else 1
+
+
+def _add_backend_args(p: argparse.ArgumentParser) -> None:
+    from ane_spec.runtime.backend import default_backend_name
+
+    p.add_argument("--backend", choices=["mil", "coreml"], default=default_backend_name(),
+                   help="coreml (macOS) or the MIL interpreter (anywhere)")
+    p.add_argument("--precision", choices=["fp32", "fp16"], default="fp32",
+                   help="MIL interpreter arithmetic: fp32, or fp16 rounding of every op (ANE-like)")
+
+
 # --- parser -----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,7 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", required=True, type=_parse_tokens, help="e.g. 1,2,3")
     p.add_argument("--context", type=int, default=4096,
                    help="context window; above the original 4096 the long RoPE factors apply")
+    p.add_argument("--manifest", help="built artifacts: logits computed by the shards")
     p.add_argument("--out", required=True, help="output .npy file")
+    p.add_argument("--no-verify", action="store_true", help="skip artifact hash checks")
+    _add_backend_args(p)
     p.set_defaults(handler=cmd_logits)
 
     p = sub.add_parser("synth", help="write a synthetic GGUF with the exact Phi-4-mini layout")
@@ -170,6 +240,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="replace an existing output folder (unchanged shards are reused)")
     p.set_defaults(handler=cmd_build)
+
+    probe = sub.add_parser("probe", help="gates (parity, block, residency, all) and probes")
+    psub = probe.add_subparsers(dest="gate", required=True, metavar="GATE")
+    for gate, text in (("parity", "whole pipeline vs the reference forward pass"),
+                       ("block", "T=4 block vs four T=1 calls, per shard"),
+                       ("residency", "MLComputePlan on macOS; static ANE lint everywhere"),
+                       ("all", "every gate that can run on this platform")):
+        p = psub.add_parser(gate, help=text)
+        p.add_argument("--manifest", required=True)
+        p.add_argument("--gguf", help="source GGUF for parity (default: the manifest's)")
+        p.add_argument("--json", action="store_true", help="one JSON object per gate")
+        p.add_argument("--no-verify", action="store_true", help="skip artifact hash checks")
+        _add_backend_args(p)
+        p.set_defaults(handler=cmd_probe_gates)
+
+    p = psub.add_parser("synthetic-t4", help="a random stateful T=4 layer at chosen dims")
+    p.add_argument("--dims", choices=["tiny", "d1024", "phi"], default="d1024")
+    p.add_argument("--layout", choices=["BCT1", "BC1T"], default="BCT1")
+    p.add_argument("--out", default="local-artifacts/probes")
+    p.add_argument("--json", action="store_true")
+    _add_backend_args(p)
+    p.set_defaults(handler=cmd_probe_synthetic)
+
+    p = psub.add_parser("layer", help="a one-layer shard from a real GGUF layer")
+    p.add_argument("gguf")
+    p.add_argument("--layer", type=int, default=0)
+    p.add_argument("--max-seq", type=int, default=2048)
+    p.add_argument("--layout", choices=["BCT1", "BC1T"], default="BCT1")
+    p.add_argument("--weights", choices=["int8-channel", "q8-block", "fp16"],
+                   default="int8-channel")
+    p.add_argument("--out", default="local-artifacts/probes")
+    p.add_argument("--json", action="store_true")
+    _add_backend_args(p)
+    p.set_defaults(handler=cmd_probe_layer)
     return parser
 
 

@@ -13,10 +13,14 @@ their scale (an fp16 ulp is ~1e-3; the figures are what matters).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ane_spec.probes.parity import cosine_rows, gate_prompts
 from ane_spec.probes.report import GateReport
+from ane_spec.runtime.backend import LoadedProgram
+from ane_spec.runtime.host_inputs import HostInputs
 from ane_spec.runtime.pipeline import ShardPipeline
 
 BLOCK = 4
@@ -41,22 +45,15 @@ def run_block(pipeline: ShardPipeline, prefix_length: int = 9, seed: int = 1) ->
     position = len(prefix)
 
     hidden = pipeline.to_hidden(pipeline.embeddings.lookup(block))
-    block_inputs = pipeline.host.block(position, BLOCK)
-    row_inputs = [pipeline.host.block(position + i, 1) for i in range(BLOCK)]
     shards, worst_cos, worst_state = [], 1.0, 0.0
     for n, entry in enumerate(m.shards):
-        out = pipeline.run_shards(hidden, block_inputs, one_block, range(n, n + 1))
-        rows = [pipeline.run_shards(_row(pipeline, hidden, i), row_inputs[i], sequential,
-                                    range(n, n + 1)) for i in range(BLOCK)]
-        got_block = pipeline.from_hidden(out)
-        got_rows = np.concatenate([pipeline.from_hidden(r) for r in rows], axis=0)
-        cos = cosine_rows(got_block, got_rows)
-        state_diff = _state_rel_diff(pipeline, n, one_block, sequential)
+        cos, state_diff, hidden = block_vs_sequential(
+            pipeline.shards[n], pipeline.host, pipeline.layout, hidden, position,
+            one_block.shard_states[n], sequential.shard_states[n])
         worst_cos = min(worst_cos, float(cos.min()))
         worst_state = max(worst_state, state_diff)
         shards.append({"layers": list(entry.layers), "token_cosine": [float(c) for c in cos],
                        "state_rel_diff": state_diff})
-        hidden = out  # the next shard sees the block path's output on both sides
     thresholds = block_thresholds(precision)
     passed = worst_cos >= thresholds["min_cosine"] and worst_state <= thresholds["state_rel_diff"]
     figures = {"min_cosine": worst_cos, "state_rel_diff": worst_state,
@@ -65,16 +62,23 @@ def run_block(pipeline: ShardPipeline, prefix_length: int = 9, seed: int = 1) ->
                       {"position": position, "shards": shards})
 
 
-def _row(pipeline: ShardPipeline, hidden: np.ndarray, i: int) -> np.ndarray:
-    return hidden[:, :, i:i + 1, :] if pipeline.layout == "BCT1" else hidden[:, :, :, i:i + 1]
+def block_vs_sequential(program: LoadedProgram, host: HostInputs, layout: str,
+                        hidden: np.ndarray, position: int, block_state: Any,
+                        row_state: Any) -> tuple[np.ndarray, float, np.ndarray]:
+    """Feed the same T rows to one program as a block and row by row, from equal states.
 
-
-def _state_rel_diff(pipeline: ShardPipeline, n: int, a, b) -> float:
-    program = pipeline.shards[n]
+    Returns per-row cosine, the largest relative state difference afterwards, and the block
+    path's output (the next shard's input on both sides)."""
+    t = hidden.shape[2] if layout == "BCT1" else hidden.shape[3]
+    out = program.predict({"x": hidden, **host.block(position, t)}, block_state)["hidden"]
+    rows = []
+    for i in range(t):
+        row = hidden[:, :, i:i + 1, :] if layout == "BCT1" else hidden[:, :, :, i:i + 1]
+        rows.append(program.predict({"x": row, **host.block(position + i, 1)}, row_state)["hidden"])
+    as_rows = (lambda x: x[0, :, :, 0].T) if layout == "BCT1" else (lambda x: x[0, :, 0, :].T)
+    cos = cosine_rows(as_rows(out), np.concatenate([as_rows(r) for r in rows], axis=0))
     worst = 0.0
     for name in program.state_names:
-        x = program.read_state(a.shard_states[n], name)
-        y = program.read_state(b.shard_states[n], name)
-        scale = max(float(np.abs(x).max()), 1e-12)
-        worst = max(worst, float(np.abs(x - y).max()) / scale)
-    return worst
+        x, y = program.read_state(block_state, name), program.read_state(row_state, name)
+        worst = max(worst, float(np.abs(x - y).max()) / max(float(np.abs(x).max()), 1e-12))
+    return cos, worst, out

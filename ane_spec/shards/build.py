@@ -244,7 +244,7 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def _layer_weights(model: GGUFModel, i: int, fmt: WeightFormat,
+def layer_weights(model: GGUFModel, i: int, fmt: WeightFormat,
                    cosines: dict[str, float]) -> LayerWeights:
     mats: dict[str, ConvWeight] = {}
     for part in MATRICES:
@@ -261,7 +261,7 @@ def _layer_weights(model: GGUFModel, i: int, fmt: WeightFormat,
 def _build_shard(model: GGUFModel, r: BuildRequest, a: int, b: int, tmp: Path, rel: str,
                  fp: str, variant: GraphVariant) -> ShardEntry:
     cosines: dict[str, float] = {}
-    layers = [_layer_weights(model, i, r.weights, cosines) for i in range(a, b)]
+    layers = [layer_weights(model, i, r.weights, cosines) for i in range(a, b)]
     quant = _quant_stats(r, cosines)
     prog = layer_program(a, layers, model.config, r.max_seq, r.layout, variant)
     del layers

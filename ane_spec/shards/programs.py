@@ -7,8 +7,10 @@ package are exactly the ones written here.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import coremltools as ct
@@ -121,7 +123,22 @@ def save_package(prog: Program, path: Path) -> None:
         shape = tuple(ct.RangeDim(1, MAX_T, default=1) if not isinstance(s, (int, np.integer))
                       else int(s) for s in var.shape)
         inputs.append(ct.TensorType(name=name, shape=shape, dtype=np.float16))
-    model = ct.convert(prog, inputs=inputs, minimum_deployment_target=OPSET,
-                       compute_precision=ct.precision.FLOAT32, skip_model_load=True,
-                       convert_to="mlprogram")
+    with _quiet_pass_pipeline():
+        model = ct.convert(prog, inputs=inputs, minimum_deployment_target=OPSET,
+                           compute_precision=ct.precision.FLOAT32, skip_model_load=True,
+                           convert_to="mlprogram")
     model.save(os.fspath(path))
+
+
+@contextlib.contextmanager
+def _quiet_pass_pipeline() -> Iterator[None]:
+    """coremltools draws a progress bar per pass pipeline, three per package, with no switch to
+    turn it off; the build reports progress per shard instead."""
+    from coremltools.converters.mil.mil.passes import pass_pipeline
+
+    original = pass_pipeline.tqdm
+    pass_pipeline.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        pass_pipeline.tqdm = original
