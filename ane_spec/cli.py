@@ -245,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     psub = probe.add_subparsers(dest="gate", required=True, metavar="GATE")
     for gate, text in (("parity", "whole pipeline vs the reference forward pass"),
                        ("block", "T=4 block vs four T=1 calls, per shard"),
+                       ("drift", "T=4 vs T=1 logit drift, stored for the exactness guard"),
                        ("residency", "MLComputePlan on macOS; static ANE lint everywhere"),
                        ("all", "every gate that can run on this platform")):
         p = psub.add_parser(gate, help=text)

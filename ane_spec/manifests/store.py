@@ -110,3 +110,10 @@ def record_gate(location: str | os.PathLike[str], name: str, result: GateResult)
     loaded = load_manifest(location, verify=False)
     loaded.manifest.gates[name] = result
     write_manifest(loaded.manifest, loaded.root)
+
+
+def record_drift(location: str | os.PathLike[str], key: str, drift: float) -> None:
+    """Store a backend's measured T=4-vs-T=1 logit drift for the exactness guard."""
+    loaded = load_manifest(location, verify=False)
+    loaded.manifest.drift[key] = drift
+    write_manifest(loaded.manifest, loaded.root)

@@ -7,14 +7,15 @@ import sys
 from pathlib import Path
 
 from ane_spec.errors import AneSpecError
-from ane_spec.manifests.store import LoadedManifest, load_manifest
+from ane_spec.manifests.store import LoadedManifest, load_manifest, record_drift
 from ane_spec.probes.block import run_block
+from ane_spec.probes.drift import measure_drift
 from ane_spec.probes.parity import run_parity
 from ane_spec.probes.report import GateReport, save_report
 from ane_spec.runtime.backend import BackendName, Precision, make_backend
 from ane_spec.runtime.pipeline import ShardPipeline
 
-GATES = ("parity", "block", "residency")
+GATES = ("parity", "block", "drift", "residency")
 
 
 def open_pipeline(manifest: str | os.PathLike[str], backend: BackendName, precision: Precision,
@@ -89,8 +90,14 @@ def run_gates(manifest: str | os.PathLike[str], gates: tuple[str, ...], *,
             if pipeline is None:
                 loaded, pipeline = open_pipeline(manifest, backend, precision, verify=verify)
                 verify = False  # hashed once is enough
-            report = (gate_parity(loaded, pipeline, gguf) if gate == "parity"
-                      else run_block(pipeline))
+            if gate == "parity":
+                report = gate_parity(loaded, pipeline, gguf)
+            elif gate == "drift":
+                report = measure_drift(pipeline)
+                pipeline.manifest.drift[pipeline.drift_key] = report.figures["drift"]
+                record_drift(loaded.root, pipeline.drift_key, report.figures["drift"])
+            else:
+                report = run_block(pipeline)
         if save:
             save_report(report, loaded)
         reports.append(report)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -80,6 +81,19 @@ class ShardPipeline:
         self.embeddings = Embeddings.load(self.loaded)
         self.shards = [self.backend.load(self.loaded.path(s.file)) for s in m.shards]
         self.head = self.backend.load(self.loaded.path(m.head.file))
+
+    @property
+    def drift_key(self) -> str:
+        """The manifest's `drift` entry for this backend and precision (`mil-fp16`, `coreml`)."""
+        return "-".join(x for x in (self.backend.name, self.backend.precision) if x)
+
+    @cached_property
+    def tokenizer(self):
+        """The build's tokenizer (tokenizer.json, a copy of the GGUF's vocabulary)."""
+        from ane_spec.model.tokenizer import Tokenizer, TokenizerData
+
+        data = TokenizerData.model_validate_json(self.loaded.path(self.manifest.tokenizer).read_text())
+        return Tokenizer.from_data(data)
 
     def new_state(self) -> PipelineState:
         return PipelineState([shard.make_state() for shard in self.shards])

@@ -1,0 +1,241 @@
+"""One conversation on one backend: prefill, then greedy or sampled decoding with T=4 verification.
+
+Slot bookkeeping: `kv_tokens` are the tokens whose K/V sit in slots 0..len-1. The *pending*
+token (the last one emitted) is not in the cache yet; each pass writes [pending, drafts..] at
+slots p.., keeps pending + the m accepted drafts, and leaves the rest as stale slots that the
+attention mask hides and the next pass overwrites. Nothing is ever copied or rolled back.
+
+A later request whose prompt starts with `kv_tokens` (the next chat turn) prefills only the new
+tokens; anything else simply starts writing at slot 0 again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from ane_spec.decode.drafter import Drafter, NgramDrafter
+from ane_spec.decode.metrics import RequestStats, Trace
+from ane_spec.decode.sampling import SamplingParams, sample, target_distribution
+from ane_spec.decode.stops import StopMatcher
+from ane_spec.decode.verify import Verdict, verify_greedy, verify_sampled
+from ane_spec.errors import AneSpecError
+from ane_spec.runtime.pipeline import BlockOutput, ShardPipeline
+
+FinishReason = Literal["stop", "length", "context", "cancelled"]
+MAX_DRAFT = 3
+# Two logits that may each move by `drift` can swap when their gap is under 2 * drift.
+GUARD_FACTOR = 2.0
+
+
+class GenerateOptions(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    max_tokens: int = Field(256, ge=1)
+    stop: tuple[str, ...] = ()
+    sampling: SamplingParams = SamplingParams()
+    speculative: bool = True
+    guard: bool = True
+
+
+@dataclass
+class GenerationResult:
+    prompt_tokens: int
+    tokens: list[int]
+    text: str
+    finish_reason: FinishReason
+    stats: RequestStats
+
+    def to_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "tokens": self.tokens, "text": self.text,
+                "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}
+
+
+OnText = Callable[[str], bool | None]
+
+
+@dataclass
+class DecodeSession:
+    pipeline: ShardPipeline
+    drafter: Drafter = field(default_factory=NgramDrafter)
+    trace: Trace | None = None
+    fill_drafts: bool | None = None  # None: decide from the measured pass-cost ratio
+
+    def __post_init__(self) -> None:
+        self.state = self.pipeline.new_state()
+        self.kv_tokens: list[int] = []
+        self.tokenizer = self.pipeline.tokenizer
+        self.eog = self.tokenizer.eog_ids
+        if self.fill_drafts is None:
+            from ane_spec.decode.cost import draft_policy
+
+            self.fill_drafts = draft_policy(self.pipeline).fill
+        drift = self.pipeline.manifest.drift.get(self.pipeline.drift_key)
+        self.guard_margin = None if drift is None else GUARD_FACTOR * drift
+
+    # --- public ------------------------------------------------------------------------------
+
+    def generate(self, prompt: Sequence[int], options: GenerateOptions = GenerateOptions(),
+                 on_text: OnText | None = None) -> GenerationResult:
+        """Generate after `prompt`. `on_text` receives each safe-to-show piece of text and may
+        return False to cancel; cancellation takes effect at the next pass boundary."""
+        prompt = [int(t) for t in prompt]
+        self._check(prompt, options)
+        run = _Run(self, options, on_text, RequestStats(prompt_tokens=len(prompt)))
+        t0 = time.perf_counter()
+        last = self._prefill(prompt, run.stats)
+        run.stats.prefill_seconds = time.perf_counter() - t0
+        self.drafter.reset(prompt)
+
+        t1 = time.perf_counter()
+        run.pending = run.first_token(last)
+        if run.emit(run.pending):
+            while self._step(run):
+                pass
+        run.stats.decode_seconds = time.perf_counter() - t1
+        return run.result()
+
+    def reset(self) -> None:
+        """Forget the conversation (the next prompt starts writing at slot 0)."""
+        self.kv_tokens = []
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _check(self, prompt: list[int], options: GenerateOptions) -> None:
+        if not prompt:
+            raise AneSpecError("the prompt is empty")
+        limit = self.pipeline.max_seq
+        if len(prompt) > limit:
+            raise AneSpecError(f"the prompt has {len(prompt)} tokens, more than the context "
+                               f"window of {limit}")
+        vocab = self.pipeline.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise AneSpecError(f"token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
+        if not options.sampling.greedy and self.pipeline.head_argmax:
+            raise AneSpecError("this build's LM head emits only argmax (--head-argmax), so it "
+                               "cannot sample: use temperature 0 or rebuild without it")
+
+    def _prefill(self, prompt: list[int], stats: RequestStats) -> BlockOutput:
+        """Fill slots for the prompt, reusing the longest prefix already in the cache. At least
+        the last prompt token is always run, since its row gives the first new token."""
+        reuse = 0
+        for a, b in zip(self.kv_tokens, prompt):
+            if a != b:
+                break
+            reuse += 1
+        reuse = min(reuse, len(prompt) - 1)
+        stats.reused_prefix_tokens = reuse
+        stats.prefill_tokens = len(prompt) - reuse
+        out = None
+        for start in range(reuse, len(prompt), self.pipeline.max_t):
+            out = self.pipeline.run(prompt[start:start + self.pipeline.max_t], start, self.state)
+            stats.backend_seconds += out.backend_seconds
+            stats.host_seconds += out.host_seconds
+        self.kv_tokens = list(prompt)
+        return out
+
+    def _step(self, run: "_Run") -> bool:
+        """One pass (plus a T=1 redo when the guard fires). Returns False when generation ends."""
+        p = len(self.kv_tokens)
+        if p >= self.pipeline.max_seq:
+            run.finish = "context"
+            return False
+        t0 = time.perf_counter()
+        room = min(MAX_DRAFT, self.pipeline.max_seq - p - 1, run.remaining())
+        drafts = (self.drafter.draft(room, fill=self.fill_drafts)[:room]
+                  if run.options.speculative and room > 0 else [])
+        block = [run.pending, *drafts]
+        out = self.pipeline.run(block, p, self.state)
+        verdict = run.verify(drafts, out)
+        backend = out.backend_seconds
+        if verdict.next_token is None:  # the guard: redo row r at T=1, as plain decoding would
+            r = verdict.guard_row
+            redo = self.pipeline.run([block[r]], p + r, self.state)
+            backend += redo.backend_seconds
+            run.stats.guard_interventions += 1
+            run.stats.record_pass(len(drafts), r, r)
+            run.stats.record_pass(0, 0, 1)
+            verdict = Verdict(r, int(redo.argmax[0]), guard_row=r)
+        else:
+            run.stats.record_pass(len(drafts), verdict.accepted, verdict.accepted + 1)
+        self.kv_tokens.extend(block[:verdict.accepted + 1])
+        run.stats.backend_seconds += backend
+        run.stats.host_seconds += time.perf_counter() - t0 - backend
+        if self.trace is not None:
+            self.trace.write(position=p, T=len(block), drafts=drafts, accepted=verdict.accepted,
+                             next=verdict.next_token, guard_row=verdict.guard_row,
+                             backend_ms=round(1000 * backend, 3),
+                             host_ms=round(1000 * (time.perf_counter() - t0 - backend), 3))
+        for token in drafts[:verdict.accepted]:
+            if not run.emit(token):
+                return False
+        run.pending = verdict.next_token
+        return run.emit(verdict.next_token)
+
+
+class _Run:
+    """The mutable bits of one `generate` call."""
+
+    def __init__(self, session: DecodeSession, options: GenerateOptions, on_text: OnText | None,
+                 stats: RequestStats):
+        self.session, self.options, self.on_text, self.stats = session, options, on_text, stats
+        self.tokens: list[int] = []
+        self.text: list[str] = []
+        self.finish: FinishReason | None = None
+        self.pending = -1
+        self.detok = session.tokenizer.detokenizer(skip_special=True)
+        self.stops = StopMatcher(options.stop)
+        self.rng = np.random.default_rng(options.sampling.seed)
+        self.guard = (session.guard_margin if options.guard and options.sampling.greedy
+                      else None)
+
+    def remaining(self) -> int:
+        return self.options.max_tokens - len(self.tokens)
+
+    def first_token(self, out: BlockOutput) -> int:
+        if self.options.sampling.greedy:
+            return int(out.argmax[-1])
+        return sample(target_distribution(out.logits[-1], self.options.sampling), self.rng)
+
+    def verify(self, drafts: list[int], out: BlockOutput) -> Verdict:
+        if self.options.sampling.greedy:
+            return verify_greedy(drafts, out.argmax, out.logits, self.guard)
+        return verify_sampled(drafts, out.logits, self.options.sampling, self.rng)
+
+    def emit(self, token: int) -> bool:
+        """Commit one generated token to the output; False when generation must end."""
+        if token in self.session.eog:
+            self.finish = "stop"
+            return False
+        self.tokens.append(token)
+        self.session.drafter.append([token])
+        piece = self.stops.push(self.detok.push(token))
+        if piece:
+            self.text.append(piece)
+            if self.on_text is not None and self.on_text(piece) is False:
+                self.finish = "cancelled"
+                return False
+        if self.stops.stopped:
+            self.finish = "stop"
+            return False
+        if self.remaining() <= 0:
+            self.finish = "length"
+            return False
+        return True
+
+    def result(self) -> GenerationResult:
+        if not self.stops.stopped and self.finish != "cancelled":
+            tail = self.stops.push(self.detok.flush()) + self.stops.flush()
+            if tail:
+                self.text.append(tail)
+                if self.on_text is not None:
+                    self.on_text(tail)
+        self.stats.generated_tokens = len(self.tokens)
+        return GenerationResult(self.stats.prompt_tokens, self.tokens, "".join(self.text),
+                                self.finish or "length", self.stats)
