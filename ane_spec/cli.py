@@ -166,6 +166,82 @@ def _add_backend_args(p: argparse.ArgumentParser) -> None:
                    help="MIL interpreter arithmetic: fp32, or fp16 rounding of every op (ANE-like)")
 
 
+# --- decoding ---------------------------------------------------------------------------------
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ane_spec.decode.generate import generate, load_chat_file, prompt_tokens
+    from ane_spec.decode.sampling import SamplingParams
+    from ane_spec.decode.session import GenerateOptions
+    from ane_spec.probes.gates import open_pipeline
+
+    _, pipeline = open_pipeline(args.manifest, args.backend, args.precision,
+                                verify=not args.no_verify)
+    messages = load_chat_file(args.chat_file) if args.chat_file else None
+    tokens = prompt_tokens(pipeline, prompt=args.prompt, messages=messages)
+    options = GenerateOptions(
+        max_tokens=args.max_tokens, stop=tuple(args.stop or ()),
+        sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed),
+        speculative=not args.no_speculative, guard=not args.no_guard)
+
+    def stream(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    result = generate(pipeline, tokens, options, ngram_min=args.ngram_min,
+                      ngram_max=args.ngram_max, trace_path=args.trace,
+                      on_text=None if args.json else stream)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print()
+        print(f"[{result.finish_reason}] {result.stats.summary()}", file=sys.stderr)
+    return 0
+
+
+# --- benchmarks -------------------------------------------------------------------------------
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from ane_spec.bench.sweep import format_markdown, run_sweep, write_outputs
+    from ane_spec.probes.gates import open_pipeline
+
+    _, pipeline = open_pipeline(args.manifest, args.backend, args.precision,
+                                verify=not args.no_verify)
+    result = run_sweep(pipeline, lengths=args.lengths, reps=args.reps, new_tokens=args.new_tokens,
+                       source=args.source, prompts_file=args.prompts_file,
+                       ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                       progress=lambda msg: print(msg, file=sys.stderr))
+    paths = write_outputs(result, args.out)
+    print(json.dumps(result) if args.json else format_markdown(result))
+    print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    return 0 if all(r["exact"] for r in result["rows"]) else 1
+
+
+def cmd_bench_drafter(args: argparse.Namespace) -> int:
+    from ane_spec.bench.drafter_bench import VllmNgramBaseline, format_markdown, losses, run_drafter_bench
+    from ane_spec.bench.streams import builtin_streams, load_streams
+    from ane_spec.decode.drafter import NgramDrafter
+
+    streams = load_streams(args.streams) if args.streams else builtin_streams(args.per_family)
+    drafters = {
+        "ane-spec": lambda: NgramDrafter(ngram_min=args.ngram_min, ngram_max=args.ngram_max),
+        "vllm-ngram": lambda: VllmNgramBaseline(ngram_min=args.ngram_min,
+                                                ngram_max=args.ngram_max),
+    }
+    result = run_drafter_bench(streams, drafters, k=3, fill=args.fill)
+    print(json.dumps(result) if args.json else format_markdown(result))
+    lost = losses(result, "ane-spec", "vllm-ngram")
+    if lost:
+        print(f"ane-spec drafter loses to the baseline on: {lost}", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from ane_spec.demo import run_demo
+
+    result = run_demo(args.out)
+    return 0 if result["identical"] else 1
+
+
 # --- parser -----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -173,6 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ane-spec",
         description="Phi-4-mini on the Apple Neural Engine: build shards, prove them, serve them.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("demo", help="the whole toolchain on a generated tiny model (start here)")
+    p.add_argument("--out", default="local-artifacts/demo")
+    p.set_defaults(handler=cmd_demo)
 
     p = sub.add_parser("inspect", help="print a GGUF file's config, tensors and tokenizer facts")
     p.add_argument("gguf")
@@ -240,6 +320,53 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="replace an existing output folder (unchanged shards are reused)")
     p.set_defaults(handler=cmd_build)
+
+    p = sub.add_parser("generate", help="generate text with a built model (speculative by default)")
+    p.add_argument("--manifest", required=True)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="raw prompt text (special tokens in it are parsed)")
+    src.add_argument("--chat-file", help="JSON list of {role, content} messages")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--no-speculative", action="store_true", help="plain T=1 greedy decoding")
+    p.add_argument("--no-guard", action="store_true", help="turn the exactness guard off")
+    p.add_argument("--ngram-min", type=int, default=1)
+    p.add_argument("--ngram-max", type=int, default=4)
+    p.add_argument("--trace", help="write one JSON line per pass to this file")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.add_argument("--no-verify", action="store_true", help="skip artifact hash checks")
+    _add_backend_args(p)
+    p.set_defaults(handler=cmd_generate)
+
+    p = sub.add_parser("sweep", help="T=1 greedy vs speculative over prompt lengths, one process")
+    p.add_argument("--manifest", required=True)
+    p.add_argument("--lengths", type=lambda t: [int(x) for x in t.split(",")],
+                   default=[100, 200, 372, 800], help="prompt lengths, e.g. 100,200,372,800")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--new-tokens", type=int, default=80)
+    p.add_argument("--source", choices=["code", "quote"], default="code",
+                   help="built-in prompt text: code with repetition, or a document to quote")
+    p.add_argument("--prompts-file", help="tile prompts from this text file instead")
+    p.add_argument("--ngram-min", type=int, default=1)
+    p.add_argument("--ngram-max", type=int, default=4)
+    p.add_argument("--out", default="local-artifacts/sweep", help="folder for JSON, Markdown, PNG")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--no-verify", action="store_true")
+    _add_backend_args(p)
+    p.set_defaults(handler=cmd_sweep)
+
+    p = sub.add_parser("bench-drafter", help="replay token streams: n-gram drafter vs a "
+                                             "vLLM-style baseline, model-free")
+    p.add_argument("--streams", help="JSONL of {family, prompt, output} (default: built-in)")
+    p.add_argument("--per-family", type=int, default=4)
+    p.add_argument("--ngram-min", type=int, default=1)
+    p.add_argument("--ngram-max", type=int, default=4)
+    p.add_argument("--fill", action="store_true", help="fill drafts to 3 (the ANE policy)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_bench_drafter)
 
     probe = sub.add_parser("probe", help="gates (parity, block, residency, all) and probes")
     psub = probe.add_subparsers(dest="gate", required=True, metavar="GATE")

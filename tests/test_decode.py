@@ -204,3 +204,18 @@ def test_trace_and_stats(pipeline, tmp_path: Path) -> None:
     assert {"position", "T", "drafts", "accepted", "backend_ms", "host_ms"} <= set(lines[0])
     d = out.stats.to_dict()
     assert d["generated_tokens"] == 12 and d["passes"] >= 3 and d["decode_tok_s"] > 0
+
+
+def test_guard_never_redoes_a_plain_t1_pass(pipeline) -> None:
+    """With a huge drift every T>1 row is a 'near tie'; T=1 passes still must not be redone."""
+    pipeline.manifest.drift[pipeline.drift_key] = 1e9
+    try:
+        plain = DecodeSession(pipeline).generate([1, 2, 3], GenerateOptions(max_tokens=10,
+                                                                             speculative=False))
+        assert plain.stats.guard_interventions == 0 and plain.stats.passes == 9
+        spec = DecodeSession(pipeline).generate([1, 2, 3], GenerateOptions(max_tokens=10))
+        assert spec.tokens == plain.tokens  # every row redone at T=1: plain decoding, exactly
+        assert spec.stats.guard_interventions > 0
+        assert spec.stats.to_dict()["tokens_per_pass"] >= 0.5
+    finally:
+        del pipeline.manifest.drift[pipeline.drift_key]

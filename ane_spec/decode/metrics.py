@@ -5,6 +5,8 @@
   comes from the prefill's last row and is not counted. Plain T=1 decoding gives exactly 1.0.
 - draft hit rate: passes with a non-empty draft / passes.
 - acceptance: accepted drafts / drafted tokens.
+- backend_seconds / host_seconds split the decode passes' time (prefill has prefill_seconds):
+  host is everything but backend compute (drafting, masks, verification, detokenizing).
 """
 
 from __future__ import annotations

@@ -135,8 +135,6 @@ class DecodeSession:
         out = None
         for start in range(reuse, len(prompt), self.pipeline.max_t):
             out = self.pipeline.run(prompt[start:start + self.pipeline.max_t], start, self.state)
-            stats.backend_seconds += out.backend_seconds
-            stats.host_seconds += out.host_seconds
         self.kv_tokens = list(prompt)
         return out
 
@@ -205,7 +203,8 @@ class _Run:
 
     def verify(self, drafts: list[int], out: BlockOutput) -> Verdict:
         if self.options.sampling.greedy:
-            return verify_greedy(drafts, out.argmax, out.logits, self.guard)
+            # A T=1 pass is exactly what plain decoding runs: nothing for the guard to judge.
+            return verify_greedy(drafts, out.argmax, out.logits, self.guard if drafts else None)
         return verify_sampled(drafts, out.logits, self.options.sampling, self.rng)
 
     def emit(self, token: int) -> bool:

@@ -88,12 +88,18 @@ class ShardPipeline:
         return "-".join(x for x in (self.backend.name, self.backend.precision) if x)
 
     @cached_property
-    def tokenizer(self):
-        """The build's tokenizer (tokenizer.json, a copy of the GGUF's vocabulary)."""
-        from ane_spec.model.tokenizer import Tokenizer, TokenizerData
+    def tokenizer_data(self):
+        """The build's copy of the GGUF vocabulary and chat template (tokenizer.json)."""
+        from ane_spec.model.tokenizer import TokenizerData
 
-        data = TokenizerData.model_validate_json(self.loaded.path(self.manifest.tokenizer).read_text())
-        return Tokenizer.from_data(data)
+        return TokenizerData.model_validate_json(
+            self.loaded.path(self.manifest.tokenizer).read_text())
+
+    @cached_property
+    def tokenizer(self):
+        from ane_spec.model.tokenizer import Tokenizer
+
+        return Tokenizer.from_data(self.tokenizer_data)
 
     def new_state(self) -> PipelineState:
         return PipelineState([shard.make_state() for shard in self.shards])

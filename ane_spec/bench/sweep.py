@@ -1,0 +1,147 @@
+"""`ane-spec sweep`: T=1 greedy vs speculative decoding over prompt lengths, in one process.
+
+One resident process, so a Core ML backend pays its per-process JIT once (during the warm-up
+passes, before any timing). For each prompt length x rep it runs plain T=1 greedy decoding and
+speculative decoding on the same prompt with fresh sessions, and reports medians in the format of
+seeds/003's sweep table, plus tokens per pass and exactness (speculative tokens == greedy tokens).
+
+Prompts are tiled to each target length from one source text, as seeds/003 did, so n-gram match
+density stays representative: built-in code with repetition (stdlib source) or documents to
+quote, or a text file of your own.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ane_spec.bench.streams import builtin_texts
+from ane_spec.decode.drafter import NgramDrafter
+from ane_spec.decode.session import DecodeSession, GenerateOptions
+from ane_spec.errors import AneSpecError
+from ane_spec.runtime.pipeline import ShardPipeline
+
+DEFAULT_LENGTHS = (100, 200, 372, 800)
+SOURCES = ("code", "quote")
+
+
+def source_text(source: str, prompts_file: str | None = None) -> str:
+    if prompts_file is not None:
+        try:
+            return Path(prompts_file).read_text()
+        except OSError as exc:
+            raise AneSpecError(f"cannot read --prompts-file {prompts_file}: {exc}") from None
+    if source not in SOURCES:
+        raise AneSpecError(f"unknown prompt source '{source}'; choose {', '.join(SOURCES)}")
+    family = "code" if source == "code" else "quote"
+    return "\n".join(p + o for _, p, o in builtin_texts(2, families=[family]))
+
+
+def tiled_prompt(tokens: list[int], length: int) -> list[int]:
+    if not tokens:
+        raise AneSpecError("the prompt source text is empty")
+    reps = -(-length // len(tokens))
+    return (tokens * reps)[:length]
+
+
+def run_sweep(pipeline: ShardPipeline, *, lengths: Sequence[int] = DEFAULT_LENGTHS,
+              reps: int = 3, new_tokens: int = 80, source: str = "code",
+              prompts_file: str | None = None, ngram_min: int = 1, ngram_max: int = 4,
+              progress=print) -> dict[str, Any]:
+    base = pipeline.tokenizer.encode(source_text(source, prompts_file))
+    fits = [n for n in lengths if n + new_tokens <= pipeline.max_seq]
+    skipped = [n for n in lengths if n not in fits]
+    if not fits:
+        raise AneSpecError(f"no prompt length in {list(lengths)} leaves room for {new_tokens} "
+                           f"new tokens in the context window of {pipeline.max_seq}")
+    warm = time.perf_counter()
+    DecodeSession(pipeline).generate(base[:8], GenerateOptions(max_tokens=8))  # JIT: T=1, T=4
+    warmup_s = time.perf_counter() - warm
+    rows = []
+    for n in fits:
+        prompt = tiled_prompt(base, n)
+        runs: dict[str, list[dict]] = {"greedy": [], "speculative": []}
+        exact = True
+        for _ in range(reps):
+            results = {}
+            for mode in ("greedy", "speculative"):
+                session = DecodeSession(pipeline, drafter=NgramDrafter(ngram_min=ngram_min,
+                                                                       ngram_max=ngram_max))
+                t0 = time.perf_counter()
+                out = session.generate(prompt, GenerateOptions(
+                    max_tokens=new_tokens, speculative=mode == "speculative"))
+                wall = time.perf_counter() - t0
+                results[mode] = out
+                runs[mode].append(out.stats.to_dict() | {"wall_s": wall})
+            exact &= results["greedy"].tokens == results["speculative"].tokens
+        row = _summarise(n, runs, exact)
+        rows.append(row)
+        progress(f"[sweep] {n} tokens: greedy {row['greedy_decode_tok_s']} tok/s, speculative "
+                 f"{row['decode_tok_s']} tok/s ({row['speedup']}x), {row['tokens_per_pass']} "
+                 f"tok/pass, exact {exact}")
+    return {"backend": pipeline.backend.describe(), "max_seq": pipeline.max_seq,
+            "new_tokens": new_tokens, "reps": reps, "source": prompts_file or source,
+            "warmup_s": round(warmup_s, 2), "skipped_lengths": skipped, "rows": rows}
+
+
+def _summarise(n: int, runs: dict[str, list[dict]], exact: bool) -> dict[str, Any]:
+    def med(mode: str, key: str) -> float:
+        return round(statistics.median(r[key] for r in runs[mode]), 3)
+
+    greedy, spec = med("greedy", "decode_tok_s"), med("speculative", "decode_tok_s")
+    return {"prompt_tokens": n, "decode_tok_s": spec, "greedy_decode_tok_s": greedy,
+            "prefill_tok_s": med("speculative", "prefill_tok_s"),
+            "wall_s": med("speculative", "wall_s"), "greedy_wall_s": med("greedy", "wall_s"),
+            "speedup": round(spec / greedy, 3) if greedy else 0.0,
+            "tokens_per_pass": med("speculative", "tokens_per_pass"),
+            "acceptance": med("speculative", "acceptance"),
+            "draft_hit_rate": med("speculative", "draft_hit_rate"), "exact": exact}
+
+
+def format_markdown(result: dict[str, Any]) -> str:
+    lines = [f"Backend: {result['backend']}, {result['new_tokens']} new tokens, "
+             f"{result['reps']} reps (medians), prompts: {result['source']}", "",
+             "| Prompt length | Decode tok/s | Prefill tok/s | Wall/req | Speedup vs T=1 | "
+             "Tokens/pass | Exact |", "|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['prompt_tokens']} tokens | {r['decode_tok_s']:.1f} | "
+                     f"{r['prefill_tok_s']:.1f} | {r['wall_s']:.2f}s | {r['speedup']:.2f}x | "
+                     f"{r['tokens_per_pass']:.2f} | {'yes' if r['exact'] else 'NO'} |")
+    if result["skipped_lengths"]:
+        lines.append(f"\nSkipped (do not fit the context window with the new tokens): "
+                     f"{result['skipped_lengths']}")
+    return "\n".join(lines)
+
+
+def write_outputs(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "sweep.json", out / "sweep.md"]
+    paths[0].write_text(json.dumps(result, indent=2) + "\n")
+    paths[1].write_text(format_markdown(result) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return paths  # the plot is optional: pip install 'ane-spec[plot]'
+    rows = result["rows"]
+    x = [r["prompt_tokens"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(x, [r["greedy_decode_tok_s"] for r in rows], "o-", label="T=1 greedy")
+    ax.plot(x, [r["decode_tok_s"] for r in rows], "o-", label="speculative (T=4 verify)")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("decode tok/s")
+    ax.set_title(f"ane-spec sweep: {result['backend']}")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    paths.append(out / "sweep.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
