@@ -232,7 +232,7 @@ def cmd_bench_drafter(args: argparse.Namespace) -> int:
     lost = losses(result, "ane-spec", "vllm-ngram")
     if lost:
         print(f"ane-spec drafter loses to the baseline on: {lost}", file=sys.stderr)
-    return 0
+    return 1 if lost else 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -240,6 +240,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     result = run_demo(args.out)
     return 0 if result["identical"] else 1
+
+
+def _add_ngram_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ngram-min", type=int, default=1, help="shortest suffix match to draft from")
+    p.add_argument("--ngram-max", type=int, default=4, help="longest suffix match tried first")
+
+
+def _add_probe_output_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layout", choices=["BCT1", "BC1T"], default="BCT1")
+    p.add_argument("--out", default="local-artifacts/probes")
+    p.add_argument("--json", action="store_true")
+    _add_backend_args(p)
 
 
 # --- parser -----------------------------------------------------------------------------------
@@ -333,8 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--no-speculative", action="store_true", help="plain T=1 greedy decoding")
     p.add_argument("--no-guard", action="store_true", help="turn the exactness guard off")
-    p.add_argument("--ngram-min", type=int, default=1)
-    p.add_argument("--ngram-max", type=int, default=4)
+    _add_ngram_args(p)
     p.add_argument("--trace", help="write one JSON line per pass to this file")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--no-verify", action="store_true", help="skip artifact hash checks")
@@ -350,8 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source", choices=["code", "quote"], default="code",
                    help="built-in prompt text: code with repetition, or a document to quote")
     p.add_argument("--prompts-file", help="tile prompts from this text file instead")
-    p.add_argument("--ngram-min", type=int, default=1)
-    p.add_argument("--ngram-max", type=int, default=4)
+    _add_ngram_args(p)
     p.add_argument("--out", default="local-artifacts/sweep", help="folder for JSON, Markdown, PNG")
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-verify", action="store_true")
@@ -362,8 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
                                              "vLLM-style baseline, model-free")
     p.add_argument("--streams", help="JSONL of {family, prompt, output} (default: built-in)")
     p.add_argument("--per-family", type=int, default=4)
-    p.add_argument("--ngram-min", type=int, default=1)
-    p.add_argument("--ngram-max", type=int, default=4)
+    _add_ngram_args(p)
     p.add_argument("--fill", action="store_true", help="fill drafts to 3 (the ANE policy)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_bench_drafter)
@@ -385,22 +394,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = psub.add_parser("synthetic-t4", help="a random stateful T=4 layer at chosen dims")
     p.add_argument("--dims", choices=["tiny", "d1024", "phi"], default="d1024")
-    p.add_argument("--layout", choices=["BCT1", "BC1T"], default="BCT1")
-    p.add_argument("--out", default="local-artifacts/probes")
-    p.add_argument("--json", action="store_true")
-    _add_backend_args(p)
+    _add_probe_output_args(p)
     p.set_defaults(handler=cmd_probe_synthetic)
 
     p = psub.add_parser("layer", help="a one-layer shard from a real GGUF layer")
     p.add_argument("gguf")
     p.add_argument("--layer", type=int, default=0)
     p.add_argument("--max-seq", type=int, default=2048)
-    p.add_argument("--layout", choices=["BCT1", "BC1T"], default="BCT1")
     p.add_argument("--weights", choices=["int8-channel", "q8-block", "fp16"],
                    default="int8-channel")
-    p.add_argument("--out", default="local-artifacts/probes")
-    p.add_argument("--json", action="store_true")
-    _add_backend_args(p)
+    _add_probe_output_args(p)
     p.set_defaults(handler=cmd_probe_layer)
     return parser
 

@@ -265,14 +265,9 @@ def _build_shard(model: GGUFModel, r: BuildRequest, a: int, b: int, tmp: Path, r
     quant = _quant_stats(r, cosines)
     prog = layer_program(a, layers, model.config, r.max_seq, r.layout, variant)
     del layers
-    inputs, outputs, states = _interface(prog)
-    path = tmp / rel
-    save_package(prog, path)
-    del prog
-    gc.collect()
-    check_package(path, kind="layers", weights=r.weights)
-    return ShardEntry(layers=(a, b), file=file_ref(tmp, path), inputs=inputs, outputs=outputs,
-                      states=states, quant=quant, fingerprint=fp)
+    ref, (inputs, outputs, states) = _save_checked(prog, tmp, rel, "layers", r.weights)
+    return ShardEntry(layers=(a, b), file=ref, inputs=inputs, outputs=outputs, states=states,
+                      quant=quant, fingerprint=fp)
 
 
 def _build_head(model: GGUFModel, r: BuildRequest, tmp: Path, rel: str, fp: str) -> HeadEntry:
@@ -291,14 +286,21 @@ def _build_head(model: GGUFModel, r: BuildRequest, tmp: Path, rel: str, fp: str)
     norm = np.array(model.tensor("output_norm.weight").dequantize())
     prog = head_program(norm, weights, c, r.layout, r.head_argmax)
     del weights
-    inputs, outputs, _ = _interface(prog)
+    ref, (inputs, outputs, _) = _save_checked(prog, tmp, rel, "head", r.weights)
+    return HeadEntry(chunks=chunks, argmax=r.head_argmax, file=ref, inputs=inputs,
+                     outputs=outputs, quant=quant, fingerprint=fp)
+
+
+def _save_checked(prog: Program, tmp: Path, rel: str, kind: str, weights: WeightFormat):
+    """Record the interface, write the package, free the program's weights before the static
+    checks read the package back, and hash it for the manifest."""
+    interface = _interface(prog)
     path = tmp / rel
     save_package(prog, path)
     del prog
     gc.collect()
-    check_package(path, kind="head", weights=r.weights)
-    return HeadEntry(chunks=chunks, argmax=r.head_argmax, file=file_ref(tmp, path), inputs=inputs,
-                     outputs=outputs, quant=quant, fingerprint=fp)
+    check_package(path, kind=kind, weights=weights)
+    return file_ref(tmp, path), interface
 
 
 def _quant_stats(r: BuildRequest, cosines: dict[str, float]) -> QuantStats:
