@@ -49,8 +49,6 @@ def measure_pass_costs(pipeline: ShardPipeline, reps: int = _REPS) -> DraftPolic
 
 def draft_policy(pipeline: ShardPipeline) -> DraftPolicy:
     """Cached on the pipeline: one measurement per loaded model per process."""
-    policy = getattr(pipeline, "_draft_policy", None)
-    if policy is None:
-        policy = measure_pass_costs(pipeline)
-        pipeline._draft_policy = policy
-    return policy
+    if "draft_policy" not in pipeline.measurements:
+        pipeline.measurements["draft_policy"] = measure_pass_costs(pipeline)
+    return pipeline.measurements["draft_policy"]

@@ -67,6 +67,9 @@ class ShardPipeline:
     backend: Backend
     shards: list[LoadedProgram] = field(init=False)
     head: LoadedProgram = field(init=False)
+    # Per-process measurements that layers above make once per loaded model (the decode
+    # engine's pass-cost policy), kept with the model they describe.
+    measurements: dict[str, Any] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         m = self.loaded.manifest
