@@ -1,0 +1,11 @@
+"""The resident HTTP daemon: an OpenAI-compatible server over one decode session.
+
+- `config.ServeConfig`: options, with the loopback-unless-keyed rule;
+- `server.serve(config)`: load, then run on uvicorn (`BackgroundServer`: the same on a thread);
+- `engine.Engine`: warm-up, the FIFO queue and the one worker thread that owns the accelerator;
+- `app.create_app`: routes, auth, limits, OpenAI error shapes;
+- `launchd.install_launch_agent`: the macOS LaunchAgent for `ane-spec daemon install`.
+
+Only `ane_spec.cli` imports this package; it imports the decode engine (and, to load a build,
+the manifests, runtime and probes) but nothing imports it back.
+"""

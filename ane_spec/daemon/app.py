@@ -1,0 +1,460 @@
+"""The HTTP surface: OpenAI-compatible routes, health, metrics, auth and limits.
+
+Every handler is async and cheap: tokenization runs in a thread, generation in the engine's
+worker, so the event loop always answers /health and /metrics. Every failure a request can
+cause maps to a 4xx with OpenAI's error shape; a 500 means a bug, and even then only that
+request fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ane_spec import __version__
+from ane_spec.daemon.config import ServeConfig
+from ane_spec.daemon.engine import Engine, Job, NotReady, QueueFull, WorkItem
+from ane_spec.daemon.metrics import CONTENT_TYPE
+from ane_spec.daemon.protocol import (
+    ChatCompletionRequest, ChatMessage, CompletionRequest, Envelope, SEED_MAX,
+    SpeculationOptions, StreamOptions, TextPart, error_body, finish_reason, usage,
+)
+from ane_spec.decode.sampling import SamplingParams
+from ane_spec.decode.session import GenerateOptions
+from ane_spec.errors import AneSpecError
+
+log = logging.getLogger("ane_spec.daemon")
+
+OPEN_PATHS = frozenset({"/health"})  # answered without the API key (liveness probes)
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error",
+                   param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status,
+                        headers=headers)
+
+
+def endpoint_of(path: str) -> str:
+    return ENDPOINTS.get(path, "other")
+
+
+# --- ASGI middlewares (pure ASGI: they must not break streaming or disconnect detection) ------
+
+class BearerAuth:
+    """With an API key, every path but /health needs `Authorization: Bearer <key>`; the token
+    is compared in constant time."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, engine: Engine):
+        self.app, self.engine = app, engine
+        self.key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.key is None or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        given = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() == b"bearer":
+                    given = token.strip()
+                break
+        if hmac.compare_digest(given, self.key):
+            return await self.app(scope, receive, send)
+        self.engine.metrics.request(endpoint_of(scope["path"]), "rejected_unauthorized")
+        response = error_response(
+            401, "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
+            "authentication_error", code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
+class BodyLimit:
+    """Refuse bodies over `limit` bytes with 413, by Content-Length before reading anything and
+    by counting otherwise; the accepted body is replayed to the app."""
+
+    def __init__(self, app: ASGIApp, limit: int, engine: Engine):
+        self.app, self.limit, self.engine = app, limit, engine
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send, size: str) -> None:
+        self.engine.metrics.request(endpoint_of(scope["path"]), "rejected_invalid")
+        response = error_response(413, f"the request body is {size} bytes; the limit is "
+                                       f"{self.limit}", code="request_too_large")
+        await response(scope, receive, send)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = 0
+                if declared > self.limit:
+                    return await self._too_large(scope, receive, send, str(declared))
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # disconnected before the body arrived
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                return await self._too_large(scope, receive, send, f"more than {self.limit}")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+# --- request preparation (runs in a worker thread: tokenization may take a while) ----------------
+
+def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest,
+            kind: str) -> WorkItem:
+    tok, config, ctx = engine.tokenizer, engine.config, engine.context
+    if kind == "chat":
+        from ane_spec.model.chat import render_chat
+
+        where = "messages"
+        try:
+            text = render_chat(body.chat_messages(), template=tok.data.chat_template,
+                               eos_token=_token_text(tok, tok.eos_token_id, "<|endoftext|>"),
+                               bos_token=_token_text(tok, tok.bos_token_id, "<|endoftext|>"))
+        except AneSpecError as exc:
+            raise BadRequest(str(exc), "messages") from None
+        prompt = tok.encode(text, special=True, add_special=True)
+    else:
+        where = "prompt"
+        source = body.single_prompt()
+        if isinstance(source, str):
+            prompt = tok.encode(source, special=True, add_special=True)
+        else:
+            prompt = list(source)
+            bad = [t for t in prompt if not 0 <= t < engine.pipeline.config.vocab_size]
+            if bad:
+                raise BadRequest(f"token ids {bad[:5]} are outside the vocabulary "
+                                 f"0..{engine.pipeline.config.vocab_size - 1}", "prompt")
+    n = len(prompt)
+    if n == 0:
+        raise BadRequest("the prompt is empty", where)
+    explicit = body.requested_max_tokens()
+    if kind == "completions" and "max_tokens" not in body.model_fields_set:
+        explicit = None
+    if explicit is None:  # the default: OpenAI's 16 for completions, else the rest of the context
+        default = 16 if kind == "completions" else ctx
+        max_tokens = min(default, ctx - n)
+        if max_tokens < 1:
+            raise BadRequest(f"this model's context window is {ctx} tokens and the prompt has "
+                             f"{n}, which leaves no room to generate", where,
+                             "context_length_exceeded")
+    else:
+        max_tokens = explicit
+        param = "max_completion_tokens" if "max_completion_tokens" in body.model_fields_set \
+            else "max_tokens"
+        if max_tokens > ctx:
+            raise BadRequest(f"{param} is {max_tokens}, more than the context window of {ctx} "
+                             "tokens", param, "invalid_value")
+        if n + max_tokens > ctx:
+            raise BadRequest(f"this model's context window is {ctx} tokens, but {n + max_tokens} "
+                             f"were requested ({n} in the prompt + {max_tokens} {param}); "
+                             f"shorten the prompt or lower {param}", param,
+                             "context_length_exceeded")
+    temperature = body.temperature or 0.0
+    if temperature > 0 and engine.pipeline.head_argmax:
+        raise BadRequest("this build's LM head emits only argmax (--head-argmax), so it cannot "
+                         "sample: use temperature 0", "temperature")
+    seed = None if body.seed is None else body.seed & SEED_MAX
+    sampling = SamplingParams(temperature=temperature,
+                              top_p=1.0 if body.top_p is None else body.top_p, seed=seed)
+    ext = body.ane_spec or SpeculationOptions()
+    lo = config.ngram_min if ext.ngram_min is None else ext.ngram_min
+    hi = config.ngram_max if ext.ngram_max is None else ext.ngram_max
+    if ext.ngram_max is None:
+        hi = max(hi, lo)
+    if ext.ngram_min is None:
+        lo = min(lo, hi)
+    if hi < lo:
+        raise BadRequest(f"ane_spec.ngram_max ({hi}) must be >= ane_spec.ngram_min ({lo})",
+                         "ane_spec.ngram_max")
+    options = GenerateOptions(
+        max_tokens=max_tokens, stop=body.stops, sampling=sampling,
+        speculative=config.speculative if ext.speculative is None else ext.speculative,
+        guard=config.guard if ext.guard is None else ext.guard)
+    return WorkItem(prompt, options, lo, hi, kind)
+
+
+def _token_text(tok, token_id: int | None, fallback: str) -> str:  # noqa: ANN001
+    return fallback if token_id is None else tok.token_text(token_id)
+
+
+def extension(engine: Engine, job: Job, result) -> dict[str, Any]:  # noqa: ANN001
+    item = job.item
+    ttft = None if job.first_text is None else round(job.first_text - job.created, 4)
+    return {"speculative": item.options.speculative, "guard": item.options.guard,
+            "ngram_min": item.ngram_min, "ngram_max": item.ngram_max,
+            "fill_drafts": engine.fill_drafts,
+            "guard_margin": engine.session.guard_margin if engine.session else None,
+            "queue_seconds": round(job.queue_seconds, 4), "time_to_first_token_seconds": ttft,
+            "stats": result.stats.to_dict()}
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+# --- the app ----------------------------------------------------------------------------------
+
+def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            await anyio.to_thread.run_sync(engine.stop)
+
+    app = FastAPI(title="ane-spec", version=__version__, lifespan=lifespan, docs_url=None,
+                  redoc_url=None,
+                  description="OpenAI-compatible server for a speculative-decoding Phi-4-mini "
+                              "build. Extensions: the `ane_spec` request and response field.")
+    app.state.engine = engine
+    metrics = engine.metrics
+
+    # Added innermost first: auth runs before the body is even read.
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes, engine=engine)
+    app.add_middleware(BearerAuth, api_key=config.api_key, engine=engine)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        metrics.request(endpoint_of(request.url.path), "rejected_invalid")
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        loc = _param_path(first)
+        msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        param = ".".join(loc) or None
+        others = {".".join(_param_path(e)) for e in errors[1:]} - {param, ""}
+        if first.get("type") == "json_invalid":
+            ctx = first.get("ctx") or {}
+            msg = f"the body is not valid JSON: {ctx.get('error', 'decode error')}"
+            param = None
+        elif not loc and ": " in msg:  # our model validators say "param: problem"
+            param = msg.split(": ", 1)[0]
+        elif first.get("type") in ("model_attributes_type", "dict_type") and not loc:
+            msg = "the request body must be a JSON object (send Content-Type: application/json)"
+        more = f" (also invalid: {', '.join(sorted(others))})" if others else ""
+        text = f"{param}: {msg}" if param and not msg.startswith(f"{param}:") else msg
+        return error_response(400, text + more, param=param, code="invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        if endpoint_of(request.url.path) != "other":
+            metrics.request(endpoint_of(request.url.path), "rejected_invalid")
+        return error_response(exc.status_code, str(exc.detail), code=code,
+                              headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def crash(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled error on %s", request.url.path, exc_info=exc)
+        metrics.request(endpoint_of(request.url.path), "failed")
+        return error_response(500, f"internal server error ({type(exc).__name__})",
+                              "server_error", code="internal_error")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        body = engine.health()
+        return JSONResponse(body, status_code=503 if body["status"] == "error" else 200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return PlainTextResponse(metrics.render(engine.gauges), media_type=CONTENT_TYPE)
+
+    def model_card() -> dict[str, Any]:
+        m = engine.pipeline.manifest
+        return {"id": engine.model_id, "object": "model", "created": _created(m.created),
+                "owned_by": "ane-spec", "context_window": engine.context}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        if model_id != engine.model_id:
+            return error_response(404, f"the model '{model_id}' does not exist; this server "
+                                       f"serves '{engine.model_id}'", param="model",
+                                  code="model_not_found")
+        return JSONResponse(model_card())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await generate(request, body, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await generate(request, body, "completions")
+
+    async def generate(request: Request, body: ChatCompletionRequest | CompletionRequest,
+                       kind: str) -> Response:
+        try:
+            if engine.status != "ready":
+                raise engine.not_ready()
+            item = await anyio.to_thread.run_sync(prepare, engine, body, kind)
+            job = engine.submit(item, asyncio.get_running_loop())
+        except BadRequest as exc:
+            metrics.request(kind, "rejected_invalid")
+            return error_response(400, exc.message, param=exc.param, code=exc.code)
+        except NotReady as exc:
+            metrics.request(kind, "rejected_warming")
+            headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
+            return error_response(503, str(exc), "server_error",
+                                  code="warming_up" if exc.retry_after else "unavailable",
+                                  headers=headers)
+        except QueueFull as exc:
+            metrics.request(kind, "rejected_queue_full")
+            return error_response(429, str(exc), "rate_limit_error", code="queue_full",
+                                  headers={"Retry-After": "1"})
+        envelope = Envelope(kind, engine.model_id)
+        if body.stream:
+            return StreamingResponse(stream(job, envelope, body.include_usage),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        return await collect(request, job, envelope)
+
+    async def collect(request: Request, job: Job, envelope: Envelope) -> Response:
+        kind = job.item.endpoint
+        watcher = asyncio.create_task(_watch_disconnect(request, engine, job))
+        try:
+            while True:
+                event, payload = await job.events.get()
+                if event != "text":
+                    break
+        finally:
+            watcher.cancel()
+        if event == "error":
+            status, message = payload
+            metrics.request(kind, "failed" if status >= 500 else "rejected_invalid")
+            return error_response(status, message,
+                                  "server_error" if status >= 500 else "invalid_request_error")
+        if payload is None or payload.finish_reason == "cancelled":
+            metrics.request(kind, "cancelled")
+            if engine.stopping:
+                return error_response(503, "the server is shutting down", "server_error")
+            return error_response(499, "the client closed the request", code="cancelled")
+        metrics.request(kind, "completed")
+        result = payload
+        return JSONResponse(envelope.response(
+            result.text, finish_reason(result.finish_reason),
+            usage(result.prompt_tokens, len(result.tokens)), extension(engine, job, result)))
+
+    async def stream(job: Job, envelope: Envelope, include_usage: bool) -> AsyncIterator[str]:
+        kind = job.item.endpoint
+        finished = False
+        try:
+            if kind == "chat":
+                yield sse(envelope.chunk(first=True))
+            final = None
+            while final is None:
+                events = [await job.events.get()]
+                while not job.events.empty():
+                    events.append(job.events.get_nowait())
+                text = []
+                for event in events:
+                    if event[0] == "text":
+                        text.append(event[1])
+                    else:
+                        final = event
+                if text:
+                    yield sse(envelope.chunk("".join(text)))
+            event, payload = final
+            if event == "error":
+                status, message = payload
+                metrics.request(kind, "failed" if status >= 500 else "rejected_invalid")
+                yield sse(error_body(message, "server_error" if status >= 500
+                                     else "invalid_request_error"))
+            elif payload is None or payload.finish_reason == "cancelled":
+                metrics.request(kind, "cancelled")
+                yield sse(error_body("the server is shutting down", "server_error"))
+            else:
+                result = payload
+                metrics.request(kind, "completed")
+                yield sse(envelope.chunk(None, finish_reason(result.finish_reason),
+                                         ext=extension(engine, job, result)))
+                if include_usage:
+                    yield sse(envelope.usage_chunk(usage(result.prompt_tokens,
+                                                         len(result.tokens))))
+            finished = True
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:  # the client went away (the response task was cancelled)
+                engine.cancel(job)
+                metrics.request(kind, "cancelled")
+
+    return app
+
+
+_FIELDS = frozenset().union(*(m.model_fields for m in (
+    ChatCompletionRequest, CompletionRequest, ChatMessage, TextPart, SpeculationOptions,
+    StreamOptions)))
+
+
+def _param_path(error: dict) -> list[str]:
+    """A validation error's location as the request's field path: ["messages", "0", "role"],
+    without pydantic's union-branch tags ("str", "list[TextPart]", ...)."""
+    loc = [p for p in error.get("loc", ()) if p != "body"]
+    if error.get("type") == "extra_forbidden":
+        return [str(p) for p in loc]
+    path = []
+    for p in loc:
+        if not (isinstance(p, int) or p in _FIELDS):
+            break
+        path.append(str(p))
+    return path
+
+
+async def _watch_disconnect(request: Request, engine: Engine, job: Job) -> None:
+    """Non-streaming requests: cancel the job when the client disconnects while it waits."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            engine.cancel(job)
+            return
+
+
+def _created(stamp: str) -> int:
+    from datetime import datetime
+
+    try:
+        return int(datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp())
+    except ValueError:
+        return 0

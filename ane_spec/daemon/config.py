@@ -1,0 +1,101 @@
+"""`ServeConfig`: everything `ane-spec serve` can be told, checked before anything loads.
+
+The one rule with teeth: the daemon binds loopback unless an API key is set. A config asking for
+any other host without a key is refused when it is made, so no code path can serve the model to
+the network unauthenticated.
+"""
+
+from __future__ import annotations
+
+import inspect
+import ipaddress
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ane_spec.decode.drafter import NgramDrafter
+from ane_spec.errors import AneSpecError
+from ane_spec.runtime.backend import default_backend_name
+
+LOOPBACK_NAMES = ("localhost",)
+# Requests may pick n-gram lengths up to this; the drafter's index grows with ngram_max.
+MAX_NGRAM = 16
+_DRAFTER_DEFAULTS = inspect.signature(NgramDrafter).parameters
+
+
+class ServeConfigError(AneSpecError):
+    """A `serve` option is invalid or unsafe (e.g. a public host without an API key)."""
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve anywhere
+
+
+class ServeConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    manifest: Path
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)  # 0: any free port (tests)
+    api_key: str | None = Field(None, repr=False)
+    backend: Literal["mil", "coreml"] = Field(default_factory=default_backend_name)
+    precision: Literal["fp32", "fp16"] = "fp32"
+    max_queue: int = Field(8, ge=0, le=10_000)  # waiting requests beyond the running one
+    speculative: bool = True
+    ngram_min: int = Field(_DRAFTER_DEFAULTS["ngram_min"].default, ge=1, le=MAX_NGRAM)
+    ngram_max: int = Field(_DRAFTER_DEFAULTS["ngram_max"].default, ge=1, le=MAX_NGRAM)
+    guard: bool = True
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+    verify: bool = True  # hash every artifact at startup
+    model_name: str | None = None  # the id clients see; default: the manifest's name
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    access_log: bool = True
+    # --- test-only knobs: never set these in production --------------------------------------
+    # Sleep before every pass through the shards, to make generations slow enough for tests of
+    # queueing and client disconnects.
+    test_pass_delay_seconds: float = Field(0.0, ge=0.0, le=10.0)
+    # Sleep at the start of warm-up, to make the warming window observable.
+    test_warmup_delay_seconds: float = Field(0.0, ge=0.0, le=600.0)
+
+    @field_validator("api_key")
+    @classmethod
+    def _key(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("the API key is empty")
+        return v
+
+    @model_validator(mode="after")
+    def _safe(self) -> "ServeConfig":
+        if self.ngram_max < self.ngram_min:
+            raise ValueError(f"ngram_max ({self.ngram_max}) must be >= ngram_min "
+                             f"({self.ngram_min})")
+        if not is_loopback(self.host) and self.api_key is None:
+            raise ValueError(
+                f"refusing to serve on {self.host!r} without an API key: anything that can reach "
+                "that address could use the model. Bind 127.0.0.1 (the default), or set a key "
+                "with --api-key / the ANE_SPEC_API_KEY environment variable")
+        return self
+
+    @classmethod
+    def create(cls, **values: Any) -> "ServeConfig":
+        """Like the constructor, but invalid values raise `ServeConfigError` (one readable line
+        per problem) instead of pydantic's `ValidationError`; None values mean "the default"."""
+        try:
+            return cls(**{k: v for k, v in values.items() if v is not None})
+        except ValidationError as exc:
+            problems = []
+            for e in exc.errors():
+                where = ".".join(str(p) for p in e["loc"])
+                msg = e["msg"].removeprefix("Value error, ")
+                problems.append(f"{where}: {msg}" if where else msg)
+            raise ServeConfigError("; ".join(problems)) from None
+
+    @property
+    def public(self) -> bool:
+        return not is_loopback(self.host)

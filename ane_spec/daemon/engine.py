@@ -1,0 +1,380 @@
+"""The accelerator's single owner: warm-up, a FIFO of requests, and one worker thread.
+
+One accelerator runs one generation at a time, so exactly one thread ever touches the pipeline:
+it first warms every shard (and measures what the decode engine needs), then takes requests in
+arrival order. The event loop only enqueues jobs and reads their events, so health and metrics
+answer while a generation runs.
+
+The worker keeps one `DecodeSession` for the whole process: its KV cache holds the last
+conversation, so a request whose prompt extends it prefills only the new tokens, and any other
+prompt reuses just the common prefix (K/V at slot i depend only on tokens 0..i, so that is exact).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ane_spec.decode.cost import draft_policy
+from ane_spec.decode.drafter import NgramDrafter
+from ane_spec.decode.session import DecodeSession, GenerateOptions, GenerationResult
+from ane_spec.errors import AneSpecError
+from ane_spec.manifests.store import record_drift
+from ane_spec.probes.drift import measure_drift
+from ane_spec.probes.gates import open_pipeline
+from ane_spec.runtime.pipeline import ShardPipeline
+
+from ane_spec.daemon.config import ServeConfig
+from ane_spec.daemon.metrics import Metrics
+
+log = logging.getLogger("ane_spec.daemon")
+
+WARMUP_T = (1, 4)
+
+
+class QueueFull(Exception):
+    def __init__(self, capacity: int):
+        super().__init__(f"the request queue is full ({capacity} waiting); retry later")
+        self.capacity = capacity
+
+
+class NotReady(Exception):
+    def __init__(self, message: str, retry_after: int | None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """A validated generation request, in tokens."""
+
+    prompt: list[int]
+    options: GenerateOptions
+    ngram_min: int
+    ngram_max: int
+    endpoint: str  # "chat" or "completions", for metrics
+
+
+class Job:
+    """One request's journey through the queue. The worker thread posts events to the request's
+    event loop: ("text", str) pieces, then ("done", GenerationResult | None) — None when it was
+    cancelled before it ran — or ("error", (status, message))."""
+
+    def __init__(self, item: WorkItem, loop: asyncio.AbstractEventLoop):
+        self.item = item
+        self.loop = loop
+        self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.cancelled = threading.Event()
+        self.created = time.perf_counter()
+        self.started: float | None = None
+        self.first_text: float | None = None
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def post(self, kind: str, payload: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:  # the loop has closed: nobody is listening any more
+            pass
+
+    @property
+    def queue_seconds(self) -> float:
+        return (self.started or time.perf_counter()) - self.created
+
+
+class _PacedPipeline:
+    """Test-only (`test_pass_delay_seconds`): the pipeline, sleeping before every pass."""
+
+    def __init__(self, pipeline: ShardPipeline, delay: float):
+        self._pipeline, self._delay = pipeline, delay
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipeline, name)
+
+    def run(self, tokens, position, state):  # noqa: ANN001 - ShardPipeline.run's signature
+        time.sleep(self._delay)
+        return self._pipeline.run(tokens, position, state)
+
+
+@dataclass
+class Warmup:
+    done: int = 0
+    total: int = 1
+    step: str = "starting"
+    started: float = field(default_factory=time.perf_counter)
+    finished: float | None = None
+
+    @property
+    def seconds(self) -> float:
+        return (self.finished or time.perf_counter()) - self.started
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "done": self.done, "total": self.total,
+                "fraction": round(self.done / self.total, 4),
+                "elapsed_seconds": round(self.seconds, 3)}
+
+
+class Engine:
+    def __init__(self, config: ServeConfig, pipeline: ShardPipeline,
+                 metrics: Metrics | None = None):
+        self.config = config
+        self.pipeline = pipeline
+        self.metrics = metrics or Metrics()
+        self.tokenizer = pipeline.tokenizer
+        self.context = pipeline.max_seq
+        self.model_id = config.model_name or pipeline.manifest.name
+        self.status = "warming"  # -> "ready" | "error"
+        self.error: str | None = None
+        self.warmup = Warmup()
+        self.session: DecodeSession | None = None
+        self.fill_drafts: bool | None = None
+        self._cond = threading.Condition()
+        self._waiting: deque[Job] = deque()
+        self._running: Job | None = None
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="ane-spec-worker", daemon=True)
+
+    # --- lifecycle (event loop side) ------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Refuse new work, cancel what runs (at its next pass boundary), fail what waits."""
+        with self._cond:
+            self._stopping.set()
+            if self._running is not None:
+                self._running.cancel()
+            waiting, self._waiting = list(self._waiting), deque()
+            self._cond.notify_all()
+        for job in waiting:
+            job.post("error", (503, "the server is shutting down"))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # --- requests (event loop side) -------------------------------------------------------
+
+    def submit(self, item: WorkItem, loop: asyncio.AbstractEventLoop) -> Job:
+        """Queue a request, or refuse it at once: NotReady (warming, failed, stopping) or
+        QueueFull (max_queue requests already wait behind the running one)."""
+        if self.status != "ready" or self._stopping.is_set():
+            raise self.not_ready()
+        job = Job(item, loop)
+        with self._cond:
+            if len(self._waiting) >= self.config.max_queue and (
+                    self._running is not None or self._waiting):
+                raise QueueFull(self.config.max_queue)
+            self._waiting.append(job)
+            self._cond.notify()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: drop the job if it still waits, else stop it at the next pass
+        boundary (the session stays consistent: slots past `kv_tokens` are never trusted)."""
+        job.cancel()
+        with self._cond:
+            try:
+                self._waiting.remove(job)
+            except ValueError:
+                return
+        job.post("done", None)
+
+    def not_ready(self) -> NotReady:
+        if self.status == "error":
+            return NotReady(f"the model failed to load: {self.error}", None)
+        if self._stopping.is_set():
+            return NotReady("the server is shutting down", None)
+        w = self.warmup
+        return NotReady(f"the model is warming up ({w.done}/{w.total} steps: {w.step}); retry "
+                        "shortly", self.retry_after())
+
+    def retry_after(self) -> int:
+        """Seconds a client should wait: the warm-up's remaining time at its pace so far."""
+        w = self.warmup
+        if w.done == 0:
+            return 5
+        remaining = w.seconds / w.done * (w.total - w.done)
+        return max(1, min(60, round(remaining)))
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def busy(self) -> bool:
+        return self._running is not None
+
+    def health(self) -> dict[str, Any]:
+        base = {"status": self.status, "model": self.model_id,
+                "backend": self.pipeline.backend.describe(), "context": self.context}
+        if self.status == "warming":
+            return base | {"progress": self.warmup.to_dict()}
+        if self.status == "error":
+            return base | {"error": self.error}
+        return base | {"warmup_seconds": round(self.warmup.seconds, 3),
+                       "busy": self.busy, "queue_depth": self.queue_depth,
+                       "queue_capacity": self.config.max_queue,
+                       "speculative": self.config.speculative, "guard": self.config.guard,
+                       "guard_margin": self.session.guard_margin if self.session else None,
+                       "fill_drafts": self.fill_drafts}
+
+    def gauges(self) -> dict[str, Any]:
+        w = self.warmup
+        return {"model": self.model_id, "backend": self.pipeline.backend.describe(),
+                "context": self.context, "ready": self.status == "ready",
+                "warmup_progress": w.done / w.total, "warmup_seconds": w.seconds,
+                "queue_depth": self.queue_depth, "queue_capacity": self.config.max_queue,
+                "busy": self.busy}
+
+    # --- the worker thread ----------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            self._warm_up()
+        except Exception as exc:  # noqa: BLE001 - reported through /health, never raised
+            log.exception("warm-up failed")
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.status = "error"
+            return
+        if self._stopping.is_set():
+            return
+        self.status = "ready"
+        log.info("ready: %s on %s, warm-up took %.1fs", self.model_id,
+                 self.pipeline.backend.describe(), self.warmup.seconds)
+        while True:
+            with self._cond:
+                while not self._waiting and not self._stopping.is_set():
+                    self._cond.wait()
+                if self._stopping.is_set():
+                    return
+                job = self._waiting.popleft()
+                self._running = job
+            try:
+                self._run(job)
+            finally:
+                with self._cond:
+                    self._running = None
+
+    def _run(self, job: Job) -> None:
+        job.started = time.perf_counter()
+        if job.cancelled.is_set():
+            job.post("done", None)
+            return
+        item, session = job.item, self.session
+        assert session is not None
+        drafter = session.drafter
+        if (drafter.ngram_min, drafter.ngram_max) != (item.ngram_min, item.ngram_max):
+            session.drafter = NgramDrafter(ngram_min=item.ngram_min, ngram_max=item.ngram_max)
+
+        def on_text(piece: str) -> bool:
+            if job.first_text is None:
+                job.first_text = time.perf_counter()
+                if not job.cancelled.is_set():
+                    self.metrics.time_to_first_token(job.first_text - job.created)
+            job.post("text", piece)
+            return not job.cancelled.is_set()
+
+        try:
+            result = session.generate(item.prompt, item.options, on_text)
+        except AneSpecError as exc:
+            # The app validates requests before queueing them, so this is a rare corner; the
+            # cache may hold a half-written prompt now, so forget it.
+            session.reset()
+            job.post("error", (400, str(exc)))
+            return
+        except Exception as exc:  # noqa: BLE001 - one request must never take the worker down
+            log.exception("generation failed")
+            session.reset()
+            job.post("error", (500, f"internal error during generation ({type(exc).__name__})"))
+            return
+        self.metrics.generation(result.stats, result.finish_reason)
+        job.post("done", result)
+
+    # --- warm-up --------------------------------------------------------------------------
+
+    def _warm_up(self) -> None:
+        p = self.pipeline
+        state = p.new_state()
+        steps: list[tuple[str, Callable[[], Any]]] = []
+        ts = sorted({t for t in WARMUP_T if t <= p.max_t})
+        n = len(p.shards)
+        for t in ts:
+            for k in range(n):
+                steps.append((f"T={t} shard {k + 1}/{n}",
+                              lambda t=t, k=k: self._warm_shard(t, k, state)))
+            steps.append((f"T={t} head", lambda t=t: self._warm_head(t)))
+        steps.append(("draft cost policy (T=1 vs T=4 pass time)", self._measure_policy))
+        if p.manifest.drift.get(p.drift_key) is None:
+            steps.append((f"drift for the exactness guard ({p.drift_key})", self._measure_drift))
+        delay = self.config.test_warmup_delay_seconds
+        self.warmup = Warmup(total=len(steps) + (1 if delay else 0))
+        if delay:
+            self.warmup.step = "test warm-up delay"
+            self._stopping.wait(delay)
+            self.warmup.done += 1
+        log.info("warming %s: %d steps", self.model_id, len(steps))
+        for name, step in steps:
+            if self._stopping.is_set():
+                return
+            self.warmup.step = name
+            t0 = time.perf_counter()
+            step()
+            self.warmup.done += 1
+            log.info("warm-up %d/%d: %s (%.2fs)", self.warmup.done, self.warmup.total, name,
+                     time.perf_counter() - t0)
+        paced = (_PacedPipeline(p, self.config.test_pass_delay_seconds)
+                 if self.config.test_pass_delay_seconds else p)
+        self.session = DecodeSession(
+            paced, drafter=NgramDrafter(ngram_min=self.config.ngram_min,
+                                        ngram_max=self.config.ngram_max),
+            fill_drafts=self.fill_drafts)
+        self.warmup.step = "done"
+        self.warmup.finished = time.perf_counter()
+
+    def _warm_shard(self, t: int, k: int, state) -> None:  # noqa: ANN001
+        p = self.pipeline
+        hidden = p.to_hidden(p.embeddings.lookup([0] * t))
+        p.run_shards(hidden, p.host.block(0, t), state, range(k, k + 1))
+
+    def _warm_head(self, t: int) -> None:
+        p = self.pipeline
+        p.head.predict({"x": p.to_hidden(p.embeddings.lookup([0] * t))})
+
+    def _measure_policy(self) -> None:
+        policy = draft_policy(self.pipeline)
+        self.fill_drafts = policy.fill
+        log.info("pass cost T=1 %.1f ms, T=4 %.1f ms (ratio %.2f): %s", 1000 * policy.t1_seconds,
+                 1000 * policy.t4_seconds, policy.ratio,
+                 "fill every draft slot" if policy.fill else "draft only confident tokens")
+
+    def _measure_drift(self) -> None:
+        p = self.pipeline
+        drift = float(measure_drift(p).figures["drift"])
+        p.manifest.drift[p.drift_key] = drift
+        log.info("measured %s drift %.3g (guard margin %.3g)", p.drift_key, drift, 2 * drift)
+        try:  # as `ane-spec probe drift` does, so the next start skips this step
+            record_drift(self.config.manifest, p.drift_key, drift)
+        except (OSError, AneSpecError) as exc:
+            log.warning("could not record the drift in the manifest (%s); it is measured "
+                        "again at every start", exc)
+
+
+def load_engine(config: ServeConfig, metrics: Metrics | None = None) -> Engine:
+    """Load and (with config.verify) hash-check the build and load its programs; raises
+    AneSpecError with a readable message when that fails. Warm-up starts with `Engine.start`."""
+    log.info("loading %s (%s%s)", config.manifest, config.backend,
+             f", {config.precision}" if config.backend == "mil" else "")
+    _, pipeline = open_pipeline(config.manifest, config.backend, config.precision,
+                                verify=config.verify)
+    return Engine(config, pipeline, metrics)
