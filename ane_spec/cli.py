@@ -254,6 +254,63 @@ def _add_probe_output_args(p: argparse.ArgumentParser) -> None:
     _add_backend_args(p)
 
 
+# --- daemon -------------------------------------------------------------------------------------
+
+def _serve_config(args: argparse.Namespace):
+    import os
+
+    from ane_spec.daemon.config import ServeConfig
+
+    return ServeConfig.create(
+        manifest=args.manifest, host=args.host, port=args.port,
+        api_key=args.api_key or os.environ.get("ANE_SPEC_API_KEY"),
+        backend=args.backend, precision=args.precision, max_queue=args.max_queue,
+        speculative=not args.no_speculative, ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max, guard=not args.no_guard,
+        max_body_bytes=args.max_body_bytes, verify=not args.no_verify,
+        model_name=args.model_name, log_level=args.log_level)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ane_spec.daemon.server import serve
+
+    return serve(_serve_config(args))
+
+
+def cmd_daemon_install(args: argparse.Namespace) -> int:
+    from ane_spec.daemon.launchd import install_launch_agent
+
+    result = install_launch_agent(_serve_config(args), print_only=args.print)
+    if not result.written:
+        sys.stdout.write(result.plist.decode())
+    print(result.message, file=sys.stderr)
+    return 0
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    # launchd.serve_arguments emits exactly these flag names: keep them in step.
+    p.add_argument("--manifest", required=True, help="the build folder (or its manifest.json)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="bind address (default loopback); any other host needs an API key")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but "
+                                     "/health (default: $ANE_SPEC_API_KEY)")
+    p.add_argument("--max-queue", type=int, default=8,
+                   help="requests that may wait behind the running one; more get 429")
+    p.add_argument("--no-speculative", action="store_true",
+                   help="plain T=1 decoding unless a request asks for speculation")
+    p.add_argument("--ngram-min", type=int, help="drafter's shortest n-gram match")
+    p.add_argument("--ngram-max", type=int, help="drafter's longest n-gram match")
+    p.add_argument("--no-guard", action="store_true",
+                   help="turn off the exactness guard (T=1 redo of near-tie rows) by default")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--no-verify", action="store_true", help="skip artifact hash checks at start")
+    p.add_argument("--model-name", help="the model id clients see (default: the build's name)")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    _add_backend_args(p)
+
+
 # --- parser -----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -376,6 +433,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fill", action="store_true", help="fill drafts to 3 (the ANE policy)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_bench_drafter)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP daemon (loopback by default)")
+    _add_serve_args(p)
+    p.set_defaults(handler=cmd_serve)
+
+    daemon = sub.add_parser("daemon", help="run `ane-spec serve` as a macOS LaunchAgent")
+    dsub = daemon.add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = dsub.add_parser("install", help="write ~/Library/LaunchAgents/com.ane-spec.daemon.plist "
+                                        "(starts at login, restarted if it dies)")
+    _add_serve_args(p)
+    p.add_argument("--print", action="store_true",
+                   help="print the plist and where it would go; write nothing")
+    p.set_defaults(handler=cmd_daemon_install)
 
     probe = sub.add_parser("probe", help="gates (parity, block, residency, all) and probes")
     psub = probe.add_subparsers(dest="gate", required=True, metavar="GATE")
