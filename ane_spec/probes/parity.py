@@ -82,7 +82,7 @@ def run_parity(loaded: LoadedManifest, pipeline: ShardPipeline, gguf,
     graph_ref = ReferenceModel(gguf, context_window=window,
                                weight_transform=stored_weights(m.build.weights))
     model_ref = ReferenceModel(gguf, context_window=window)
-    specials = [i for i, t in enumerate(_token_types(loaded)) if t in (3, 4)]
+    specials = [i for i, t in enumerate(pipeline.tokenizer_data.token_types) if t in (3, 4)]
     graph, model, per_prompt = _Tally(), _Tally(), []
     for prompt in gate_prompts(m.model.vocab_size, window, lengths, specials):
         continuation = graph_ref.generate(prompt, decode_steps)[:decode_steps]
@@ -135,10 +135,3 @@ def _prefill_then_decode(pipeline: ShardPipeline, prompt: list[int],
         rows.append(pipeline.run([token], position, state).logits)
         position += 1
     return np.concatenate(rows, axis=0)
-
-
-def _token_types(loaded: LoadedManifest) -> list[int]:
-    import json
-
-    return json.loads(loaded.path(loaded.manifest.tokenizer).read_text())["token_types"]
-
