@@ -114,10 +114,13 @@ class ShardPipeline:
         x = rows.astype(self.input_dtype).T  # [d, T]
         return (x[None, :, :, None] if self.layout == "BCT1" else x[None, :, None, :]).copy()
 
+    def token_major(self, x: np.ndarray) -> np.ndarray:
+        """A [T, channels] view of a hidden-layout array or head output (no copy)."""
+        return (x[0, :, :, 0] if self.layout == "BCT1" else x[0, :, 0, :]).T
+
     def from_hidden(self, x: np.ndarray) -> np.ndarray:
         """Hidden layout (or a head output) -> [T, channels] float32."""
-        flat = x[0, :, :, 0] if self.layout == "BCT1" else x[0, :, 0, :]
-        return np.ascontiguousarray(flat.T, dtype=np.float32)
+        return np.ascontiguousarray(self.token_major(x), dtype=np.float32)
 
     # --- running -------------------------------------------------------------------------
 
@@ -154,8 +157,11 @@ class ShardPipeline:
                    ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
         chunks = self.manifest.head.chunks
         if not self.head_argmax:
-            logits = np.concatenate([self.from_hidden(outputs[f"logits_{i}"])
-                                     for i in range(len(chunks))], axis=1)
+            # One copy per pass: each chunk's [V_i, T] view is written straight into [T, V].
+            t = self.token_major(outputs["logits_0"]).shape[0]
+            logits = np.empty((t, chunks[-1][1]), dtype=np.float32)
+            for i, (start, end) in enumerate(chunks):
+                logits[:, start:end] = self.token_major(outputs[f"logits_{i}"])
             best = logits.argmax(axis=1)
             return logits, best, logits[np.arange(len(best)), best]
         maxima = np.stack([self.from_hidden(outputs[f"max_{i}"])[:, 0]
