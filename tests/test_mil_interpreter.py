@@ -208,6 +208,38 @@ def test_conv_1d() -> None:
     np.testing.assert_allclose(only(run(prog, {"x": x})), np_conv1x1(x, w, 1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["matmul", "conv"])
+def test_default_kernels_give_a_row_the_same_bits_at_every_index(kind: str) -> None:
+    """Row invariance by construction: the row at index r of a block, whatever its neighbours,
+    and the same row alone, come out bit-identical (12 rows: the grouped-attention shape on which
+    one BLAS call per block rounds rows 8..11 differently)."""
+    row, other = randn(96), randn(64, 96)
+    results = []
+    for rows in (1, 4, 12):
+        for r in range(rows):
+            block = randn(rows, 96)
+            block[r] = row
+            if kind == "matmul":
+                out = mil_ops.OPS["matmul"].kernel({"x": block[None], "y": other.T[None]})[0]
+            else:  # [1, Cin, T, 1] activations, [Cout, Cin, 1, 1] weights
+                x = block.T[None, :, :, None]
+                out = mil_ops.OPS["conv"].kernel({"x": x, "weight": other[:, :, None, None]})
+                out = out[0, :, :, 0].T
+            results.append(out[r])
+    assert all(np.array_equal(x, results[0]) for x in results)
+    np.testing.assert_allclose(results[0], other.astype(np.float64) @ row, rtol=1e-5, atol=1e-4)
+
+
+def test_short_contractions_are_summed_in_index_order() -> None:
+    """The KV scatter's [S, T] @ [T, hd] with a one-hot mask copies rows exactly."""
+    write = np.zeros((1, 1, 8, 4), np.float32)
+    write[0, 0, [5, 6], [0, 1]] = 1.0
+    rows = randn(1, 2, 4, 3)
+    out = mil_ops.OPS["matmul"].kernel({"x": write, "y": rows})
+    assert np.array_equal(out[0, :, 5], rows[0, :, 0]) and np.array_equal(out[0, :, 6], rows[0, :, 1])
+    assert not out[0, :, [0, 1, 2, 3, 4, 7]].any()
+
+
 # ---------------------------------------------------------------------------- normalization
 
 

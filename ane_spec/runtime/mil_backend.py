@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from ane_spec.runtime.backend import Precision
-from ane_spec.runtime.mil_interpreter import MILInterpreter
+from ane_spec.runtime.mil_interpreter import Kernels, MILInterpreter
 
 
 class MILProgram:
@@ -27,15 +27,21 @@ class MILProgram:
     def read_state(self, state: dict[str, np.ndarray], name: str) -> np.ndarray:
         return np.array(state[name], dtype=np.float32)
 
+    def write_state(self, state: dict[str, np.ndarray], name: str, value: np.ndarray) -> None:
+        state[name][...] = value
+
 
 class MILBackend:
     name = "mil"
 
-    def __init__(self, precision: Precision = "fp32"):
+    def __init__(self, precision: Precision = "fp32", kernels: Kernels = "row"):
         self.precision: Precision = precision
+        self.kernels: Kernels = kernels
 
     def load(self, package: Path) -> MILProgram:
-        return MILProgram(MILInterpreter.from_package(package, precision=self.precision))
+        return MILProgram(MILInterpreter.from_package(package, precision=self.precision,
+                                                      kernels=self.kernels))
 
     def describe(self) -> str:
-        return f"MIL interpreter ({self.precision})"
+        kernels = ", batched kernels" if self.kernels == "batched" else ""
+        return f"MIL interpreter ({self.precision}{kernels})"

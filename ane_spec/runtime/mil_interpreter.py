@@ -12,6 +12,12 @@ Precision:
     reductions, softmax and layer_norm accumulate in fp32) and its output is rounded to float16
     when its declared dtype is fp16. Values declared fp32 (e.g. after `cast(dtype="fp32")`) stay
     float32. States are float16 arrays.
+
+Kernels:
+  * "row" (default): conv and matmul compute every token row with its own product, so a row's
+    result never depends on its index in the block or on its neighbours (row invariance).
+  * "batched": one BLAS call per block, as the interpreter first did: faster on wide blocks, and
+    a real backend on which `probe row-invariance` fails (OpenBLAS edge kernels).
 """
 
 from __future__ import annotations
@@ -25,13 +31,15 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from ane_spec.errors import AneSpecError
-from ane_spec.runtime.mil_ops import OPS, Args, Kernel
+from ane_spec.runtime.mil_ops import BATCHED_KERNELS, OPS, Args, Kernel
 
 if TYPE_CHECKING:
     from coremltools.converters.mil import Program
 
 Precision = Literal["fp32", "fp16"]
 _PRECISIONS = ("fp32", "fp16")
+Kernels = Literal["row", "batched"]
+KERNELS: tuple[Kernels, ...] = ("row", "batched")
 
 
 class MILLoadError(AneSpecError):
@@ -76,7 +84,8 @@ class MILInterpreter:
 
     @classmethod
     def from_package(
-        cls, path: str | os.PathLike, precision: Precision = "fp32", function: str = "main"
+        cls, path: str | os.PathLike, precision: Precision = "fp32", function: str = "main",
+        kernels: Kernels = "row",
     ) -> MILInterpreter:
         import coremltools as ct
         from coremltools.converters.mil.frontend.milproto.load import load
@@ -89,19 +98,24 @@ class MILInterpreter:
             raise MILLoadError(f"{path}: not an ML program (model type {spec.WhichOneof('Type')})")
         weights = os.path.join(path, "Data", "com.apple.CoreML", "weights")
         program = load(spec, spec.specificationVersion, weights)
-        interp = cls(program, precision, function)
+        interp = cls(program, precision, function, kernels)
         interp._bounds = _shape_ranges(spec, function)
         return interp
 
     @classmethod
     def from_program(
-        cls, program: Program, precision: Precision = "fp32", function: str = "main"
+        cls, program: Program, precision: Precision = "fp32", function: str = "main",
+        kernels: Kernels = "row",
     ) -> MILInterpreter:
-        return cls(program, precision, function)
+        return cls(program, precision, function, kernels)
 
-    def __init__(self, program: Program, precision: Precision, function: str) -> None:
+    def __init__(self, program: Program, precision: Precision, function: str,
+                 kernels: Kernels = "row") -> None:
         if precision not in _PRECISIONS:
             raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+        self.kernels: Kernels = kernels
         if function not in program.functions:
             raise MILLoadError(f"no function {function!r}; have {sorted(program.functions)}")
         self.precision: Precision = precision
@@ -174,7 +188,8 @@ class MILInterpreter:
         return _Step(
             op_type=op.op_type,
             name=op.name,
-            kernel=opdef.kernel,
+            kernel=(BATCHED_KERNELS.get(op.op_type, opdef.kernel) if self.kernels == "batched"
+                    else opdef.kernel),
             upcast=opdef.upcast,
             refs=refs,
             defaults=defaults,

@@ -101,15 +101,46 @@ def _inverse(a: Args) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------- linear algebra
+#
+# Row invariance (ane_spec.probes.row_invariance): a token's result must not depend on its row
+# index in a pass or on its neighbours. One BLAS call over a whole block does not promise that:
+# OpenBLAS computes the 12 query rows of a grouped-attention matmul with two different micro-
+# kernels, rows 8..11 rounding differently from rows 0..7. So the default kernels give every row
+# its own vector x matrix product, the same BLAS call whatever the row's index, the block's size
+# or its neighbours; checked bitwise for any memory alignment. The "batched" kernels (one call per
+# block) stay available as a real backend that is *not* row-invariant.
+
+# Contractions this short are summed explicitly, term by term in index order: the KV scatter
+# (write mask [S, T] @ rows [T, hd]) would otherwise cost S separate BLAS calls.
+_EXPLICIT_SUM_MAX_K = 8
 
 
-def _matmul(a: Args) -> np.ndarray:
+def _matmul_operands(a: Args) -> tuple[np.ndarray, np.ndarray]:
     x, y = a["x"], a["y"]
     # MIL ignores transpose flags on rank-1 operands, as numpy's matmul treats them as vectors.
     if as_bool(a.get("transpose_x", False)) and x.ndim >= 2:
         x = np.swapaxes(x, -1, -2)
     if as_bool(a.get("transpose_y", False)) and y.ndim >= 2:
         y = np.swapaxes(y, -1, -2)
+    return x, y
+
+
+def _matmul(a: Args) -> np.ndarray:
+    x, y = _matmul_operands(a)
+    if x.ndim < 2 or y.ndim < 2 or x.shape[-2] == 1:
+        return np.matmul(x, y)
+    k = x.shape[-1]
+    if k <= _EXPLICIT_SUM_MAX_K:
+        out = x[..., :, 0:1] * y[..., 0:1, :]
+        for i in range(1, k):
+            out = out + x[..., :, i:i + 1] * y[..., i:i + 1, :]
+        return out
+    rows = np.ascontiguousarray(x)[..., :, None, :]        # [..., M, 1, K]: one product per row
+    return np.matmul(rows, y[..., None, :, :])[..., 0, :]
+
+
+def _matmul_batched(a: Args) -> np.ndarray:
+    x, y = _matmul_operands(a)
     return np.matmul(x, y)
 
 
@@ -120,8 +151,21 @@ def _linear(a: Args) -> np.ndarray:
 
 
 def _conv(a: Args) -> np.ndarray:
-    # Only 1x1 kernels with stride 1 and no padding get here (see _check_conv), so a grouped conv is
-    # one batched matmul: (g, Cout/g, Cin/g) @ (N, g, Cin/g, spatial).
+    # Only 1x1 kernels with stride 1 and no padding get here (see _check_conv), so each spatial
+    # position (a token) is one [1, Cin/g] @ [Cin/g, Cout/g] product per group.
+    x, w = a["x"], a["weight"]
+    groups = as_int(a.get("groups", 1))
+    n, cin, spatial = x.shape[0], x.shape[1], x.shape[2:]
+    cout = w.shape[0]
+    tokens = np.ascontiguousarray(np.moveaxis(x.reshape(n, groups, cin // groups, -1), -1, 1))
+    wg = w.reshape(groups, cout // groups, cin // groups).transpose(0, 2, 1)  # [g, Cin/g, Cout/g]
+    out = np.matmul(tokens[..., None, :], wg)[..., 0, :]                      # [n, P, g, Cout/g]
+    out = np.moveaxis(out, 1, -1).reshape(n, cout, *spatial)
+    return _add_conv_bias(out, a.get("bias"), cout, spatial)
+
+
+def _conv_batched(a: Args) -> np.ndarray:
+    # One grouped matmul per block: (g, Cout/g, Cin/g) @ (N, g, Cin/g, spatial).
     x, w = a["x"], a["weight"]
     groups = as_int(a.get("groups", 1))
     n, cin, spatial = x.shape[0], x.shape[1], x.shape[2:]
@@ -129,7 +173,11 @@ def _conv(a: Args) -> np.ndarray:
     xg = x.reshape(n, groups, cin // groups, -1)
     wg = w.reshape(groups, cout // groups, cin // groups)
     out = np.matmul(wg, xg).reshape(n, cout, *spatial)
-    bias = a.get("bias")
+    return _add_conv_bias(out, a.get("bias"), cout, spatial)
+
+
+def _add_conv_bias(out: np.ndarray, bias: np.ndarray | None, cout: int,
+                   spatial: tuple[int, ...]) -> np.ndarray:
     if bias is not None:
         out += bias.reshape((cout,) + (1,) * len(spatial))
     return out
@@ -340,6 +388,9 @@ def _constexpr_affine_dequantize(a: Args) -> np.ndarray:
 def _identity(a: Args) -> np.ndarray:
     return a["x"]
 
+
+#: The one-call-per-block kernels `MILInterpreter(kernels="batched")` swaps in.
+BATCHED_KERNELS: dict[str, Kernel] = {"matmul": _matmul_batched, "conv": _conv_batched}
 
 OPS: dict[str, OpDef] = {
     "constexpr_blockwise_shift_scale": OpDef(_constexpr_blockwise_shift_scale),
