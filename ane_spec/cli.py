@@ -53,7 +53,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
         from ane_spec.runtime.pipeline import prefill_logits
 
         _, pipeline = open_pipeline(args.manifest, args.backend, args.precision,
-                                    verify=not args.no_verify)
+                                    verify=not args.no_verify, decode_shape=args.decode_shape)
         logits = prefill_logits(pipeline, args.tokens)
         source = f"artifacts, {pipeline.backend.describe()}, T={pipeline.max_t} prefill"
     else:
@@ -124,7 +124,7 @@ def cmd_probe_gates(args: argparse.Namespace) -> int:
     if args.gate == "all" and not args.json:
         print(platform_note(), file=sys.stderr)
     reports = run_gates(args.manifest, gates, backend=args.backend, precision=args.precision,
-                        gguf=args.gguf, verify=not args.no_verify)
+                        gguf=args.gguf, verify=not args.no_verify, decode_shape=args.decode_shape)
     return 0 if _print_reports(reports, args.json) else 1
 
 
@@ -157,13 +157,19 @@ def cmd_probe_layer(args: argparse.Namespace) -> int:
     return 0 if _print_reports(reports, args.json) else 1
 
 
-def _add_backend_args(p: argparse.ArgumentParser) -> None:
+def _add_backend_args(p: argparse.ArgumentParser, *, decode_shape: bool = True) -> None:
     from ane_spec.runtime.backend import default_backend_name
 
     p.add_argument("--backend", choices=["mil", "coreml"], default=default_backend_name(),
                    help="coreml (macOS) or the MIL interpreter (anywhere)")
     p.add_argument("--precision", choices=["fp32", "fp16"], default="fp32",
                    help="MIL interpreter arithmetic: fp32, or fp16 rounding of every op (ANE-like)")
+    if not decode_shape:
+        return
+    p.add_argument("--decode-shape", choices=["fixed", "mixed"], default="fixed",
+                   help="fixed (default): every pass computes 4 rows, so speculative output equals "
+                        "greedy bitwise on a row-invariant backend; mixed: T=1 decode + T=4 "
+                        "verify, cheaper where T=1 is much faster, exact only up to rounding")
 
 
 # --- decoding ---------------------------------------------------------------------------------
@@ -175,7 +181,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ane_spec.probes.gates import open_pipeline
 
     _, pipeline = open_pipeline(args.manifest, args.backend, args.precision,
-                                verify=not args.no_verify)
+                                verify=not args.no_verify, decode_shape=args.decode_shape)
     messages = load_chat_file(args.chat_file) if args.chat_file else None
     tokens = prompt_tokens(pipeline, prompt=args.prompt, messages=messages)
     options = GenerateOptions(
@@ -205,7 +211,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from ane_spec.probes.gates import open_pipeline
 
     _, pipeline = open_pipeline(args.manifest, args.backend, args.precision,
-                                verify=not args.no_verify)
+                                verify=not args.no_verify, decode_shape=args.decode_shape)
     result = run_sweep(pipeline, lengths=args.lengths, reps=args.reps, new_tokens=args.new_tokens,
                        source=args.source, prompts_file=args.prompts_file,
                        ngram_min=args.ngram_min, ngram_max=args.ngram_max,
@@ -251,7 +257,7 @@ def _add_probe_output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout", choices=["BCT1", "BC1T"], default="BCT1")
     p.add_argument("--out", default="local-artifacts/probes")
     p.add_argument("--json", action="store_true")
-    _add_backend_args(p)
+    _add_backend_args(p, decode_shape=False)  # one package's T=4 vs 4 x T=1: no decoding
 
 
 # --- daemon -------------------------------------------------------------------------------------
@@ -264,7 +270,8 @@ def _serve_config(args: argparse.Namespace):
     return ServeConfig.create(
         manifest=args.manifest, host=args.host, port=args.port,
         api_key=args.api_key or os.environ.get("ANE_SPEC_API_KEY"),
-        backend=args.backend, precision=args.precision, max_queue=args.max_queue,
+        backend=args.backend, precision=args.precision, decode_shape=args.decode_shape,
+        max_queue=args.max_queue,
         speculative=not args.no_speculative, ngram_min=args.ngram_min,
         ngram_max=args.ngram_max, guard=not args.no_guard,
         max_body_bytes=args.max_body_bytes, verify=not args.no_verify,
@@ -401,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int)
     p.add_argument("--no-speculative", action="store_true", help="plain T=1 greedy decoding")
-    p.add_argument("--no-guard", action="store_true", help="turn the exactness guard off")
+    p.add_argument("--no-guard", action="store_true", help="mixed decode shape: turn the near-tie guard off")
     _add_ngram_args(p)
     p.add_argument("--trace", help="write one JSON line per pass to this file")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
@@ -447,9 +454,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the plist and where it would go; write nothing")
     p.set_defaults(handler=cmd_daemon_install)
 
-    probe = sub.add_parser("probe", help="gates (parity, block, residency, all) and probes")
+    probe = sub.add_parser("probe", help="gates (row-invariance, parity, block, drift, residency, "
+                                         "all) and probes")
     psub = probe.add_subparsers(dest="gate", required=True, metavar="GATE")
-    for gate, text in (("parity", "whole pipeline vs the reference forward pass"),
+    for gate, text in (("row-invariance", "a token's logits and K/V are the same at every row "
+                                           "of a pass (what exact fixed-shape decoding needs)"),
+                       ("parity", "whole pipeline vs the reference forward pass"),
                        ("block", "T=4 block vs four T=1 calls, per shard"),
                        ("drift", "T=4 vs T=1 logit drift, stored for the exactness guard"),
                        ("residency", "MLComputePlan on macOS; static ANE lint everywhere"),

@@ -238,7 +238,9 @@ def test_three_turn_chat_prefills_only_new_tokens(client, server, pipeline) -> N
 def test_health_models_and_metrics(server, client) -> None:
     health = httpx.get(f"{server.url}/health").json()
     assert health["status"] == "ready" and health["context"] == S
-    assert health["guard_margin"] is not None  # drift was measured at warm-up
+    # The fixed decode shape: exact by construction, so no guard and every draft slot filled.
+    assert health["decode_shape"] == "fixed" and health["guard_margin"] is None
+    assert health["fill_drafts"] is True
     models = client.models.list()
     assert [m.id for m in models.data] == [health["model"]]
     assert client.models.retrieve(health["model"]).id == health["model"]

@@ -179,11 +179,30 @@ def test_non_streaming_client_that_leaves_the_queue_frees_its_place(slow) -> Non
     poll(f"{url}/health", lambda h: not h["busy"], "an idle worker")
 
 
+def test_mixed_decode_shape_warms_both_widths_and_calibrates_the_guard(artifacts: Path) -> None:
+    with BackgroundServer(config(artifacts, decode_shape="mixed")) as srv:
+        health = ready(srv.url)
+        assert health["decode_shape"] == "mixed" and health["guard_margin"] > 0
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "def f(x):",
+                                                          "max_tokens": 12}).json()
+        assert r["ane_spec"]["decode_shape"] == "mixed"
+        assert r["ane_spec"]["stats"]["decode_shape"] == "mixed"
+        # The server recorded the drift it measured, so this session guards the same way.
+        _, mixed = open_pipeline(artifacts, "mil", "fp32", decode_shape="mixed", verify=False)
+        prompt = mixed.tokenizer.encode("def f(x):", special=True)
+        local = DecodeSession(mixed, fill_drafts=health["fill_drafts"]).generate(
+            prompt, GenerateOptions(max_tokens=12))
+        assert r["choices"][0]["text"] == local.text
+
+
 def test_warming_up_is_503_with_retry_after(artifacts: Path) -> None:
     with BackgroundServer(config(artifacts, test_warmup_delay_seconds=3)) as srv:
         health = httpx.get(f"{srv.url}/health").json()
         assert health["status"] == "warming"
         assert {"step", "done", "total", "fraction"} <= set(health["progress"])
+        # The fixed decode shape warms one pass width: 2 shards + the head at T=4, plus the
+        # test's delay step. No T=1 specialisation, no pass-cost policy, no drift calibration.
+        assert health["progress"]["total"] == 4
         r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3})
         assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
         assert r.json()["error"]["code"] == "warming_up"
@@ -334,7 +353,7 @@ def test_launch_agent_command_parses_with_the_cli(artifacts: Path) -> None:
 
     parser = build_parser()
     cfg = ServeConfig(manifest=artifacts, port=8123, max_queue=3, ngram_max=6, guard=False,
-                      verify=False)
+                      verify=False, decode_shape="mixed")
     argv = serve_arguments(cfg)[3:]
     try:
         args = parser.parse_args(argv)
@@ -343,4 +362,5 @@ def test_launch_agent_command_parses_with_the_cli(artifacts: Path) -> None:
     assert Path(args.manifest).resolve() == artifacts.resolve()
     assert (args.port, args.max_queue, args.ngram_max) == (8123, 3, 6)
     assert args.no_guard and args.no_verify and not args.no_speculative
+    assert args.decode_shape == "mixed"
     assert os.fspath(args.backend) == cfg.backend

@@ -1,8 +1,10 @@
-"""The decode engine on a tiny build with the fp32 interpreter: speculative == greedy, exactly."""
+"""The decode engine on a tiny build with the fp32 interpreter: speculative == greedy, exactly.
+
+`pipeline` runs the default fixed decode shape (every pass 4 rows wide); `mixed` the same build
+with T=1 decode passes, where the exactness guard lives."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -13,38 +15,28 @@ from ane_spec.decode.session import DecodeSession, GenerateOptions
 from ane_spec.decode.verify import verify_greedy
 from ane_spec.errors import AneSpecError
 from ane_spec.probes.gates import open_pipeline
+from ane_spec.runtime.pipeline import BlockOutput
 from ane_spec.shards.build import BuildRequest, build
+from tests.scripted_drafter import ScriptedDrafter
 
 S = 64
 
 
 @pytest.fixture(scope="module")
-def pipeline(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory):
+def artifacts(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("decode") / "art"
     build(tiny_gguf, out, BuildRequest(topology="2,1", max_seq=S))
-    return open_pipeline(out, "mil", "fp32")[1]
+    return out
 
 
-class ScriptedDrafter:
-    """Drafts from a known continuation, optionally corrupting it: a real Drafter whose
-    guesses the test controls, to force full accepts, partial accepts and rejections."""
+@pytest.fixture(scope="module")
+def pipeline(artifacts: Path):
+    return open_pipeline(artifacts, "mil", "fp32")[1]
 
-    def __init__(self, continuation: Sequence[int], correct: int, vocab: int):
-        self.continuation, self.correct, self.vocab = list(continuation), correct, vocab
-        self.history: list[int] = []
-        self.prompt_len = 0
 
-    def reset(self, prompt_tokens: Sequence[int]) -> None:
-        self.history = list(prompt_tokens)
-        self.prompt_len = len(self.history)
-
-    def append(self, tokens: Sequence[int]) -> None:
-        self.history.extend(tokens)
-
-    def draft(self, k: int, *, fill: bool = False) -> list[int]:
-        done = len(self.history) - self.prompt_len
-        true = self.continuation[done:done + k]
-        return [t if i < self.correct else (t + 1) % self.vocab for i, t in enumerate(true)]
+@pytest.fixture(scope="module")
+def mixed(artifacts: Path):
+    return open_pipeline(artifacts, "mil", "fp32", decode_shape="mixed")[1]
 
 
 def greedy(pipeline, prompt, **kw):
@@ -57,12 +49,14 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [rng.integers(0, 958, int(rng.integers(1, 30))).tolist() for _ in range(n)]
 
 
-def test_speculative_equals_greedy_on_varied_prompts(pipeline) -> None:
+@pytest.mark.parametrize("shape", ["fixed", "mixed"])
+def test_speculative_equals_greedy_on_varied_prompts(pipeline, mixed, shape: str) -> None:
     """>= 30 prompts, n-gram drafter, fp32 interpreter: token-for-token equality."""
-    session = DecodeSession(pipeline)
+    pl = pipeline if shape == "fixed" else mixed
+    session = DecodeSession(pl)
     distinct, accepted = [], 0
     for prompt in prompts(32):
-        base = greedy(pipeline, prompt, max_tokens=24)
+        base = greedy(pl, prompt, max_tokens=24)
         spec = session.generate(prompt, GenerateOptions(max_tokens=24))
         assert spec.tokens == base.tokens, prompt
         assert spec.text == base.text and spec.finish_reason == base.finish_reason
@@ -108,6 +102,7 @@ def test_accept_patterns(pipeline, correct: int, tokens_per_pass: float) -> None
 
 
 def test_stale_slots_are_masked(pipeline) -> None:
+    """Rejected drafts left in slots 7, 8 change nothing, exactly: the mask gives them weight 0."""
     prompt = [9, 8, 7, 6, 5]
     clean, dirty = pipeline.new_state(), pipeline.new_state()
     for st in (clean, dirty):
@@ -116,7 +111,7 @@ def test_stale_slots_are_masked(pipeline) -> None:
     pipeline.run([100, 200, 300, 400], 5, dirty)        # a pass whose drafts all get rejected
     a = pipeline.run([100, 17], 5, clean).logits
     b = pipeline.run([100, 17], 5, dirty).logits        # overwrites slots 5, 6; 7, 8 stay stale
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert np.array_equal(a, b)
 
 
 def test_prefix_reuse_three_turns(pipeline) -> None:
@@ -185,9 +180,9 @@ def test_guard_stops_at_a_near_tie() -> None:
     logits = np.zeros((4, 10), np.float32)
     logits[:, 1] = 5.0
     logits[1, 2] = 4.99          # row 1 is a near tie
-    argmax = logits.argmax(1)
-    assert verify_greedy([1, 1, 1], argmax, logits, None).accepted == 3
-    v = verify_greedy([1, 1, 1], argmax, logits, 0.05)
+    out = BlockOutput.of_logits(logits)
+    assert verify_greedy([1, 1, 1], out, None).accepted == 3
+    v = verify_greedy([1, 1, 1], out, 0.05)
     assert v.accepted == 1 and v.next_token is None and v.guard_row == 1
 
 
@@ -206,16 +201,29 @@ def test_trace_and_stats(pipeline, tmp_path: Path) -> None:
     assert d["generated_tokens"] == 12 and d["passes"] >= 3 and d["decode_tok_s"] > 0
 
 
-def test_guard_never_redoes_a_plain_t1_pass(pipeline) -> None:
-    """With a huge drift every T>1 row is a 'near tie'; T=1 passes still must not be redone."""
-    pipeline.manifest.drift[pipeline.drift_key] = 1e9
+def test_guard_never_redoes_a_plain_t1_pass(mixed) -> None:
+    """Mixed shape, with a huge drift every T>1 row is a 'near tie'; T=1 passes still must not
+    be redone."""
+    mixed.manifest.drift[mixed.drift_key] = 1e9
     try:
-        plain = DecodeSession(pipeline).generate([1, 2, 3], GenerateOptions(max_tokens=10,
-                                                                             speculative=False))
+        plain = DecodeSession(mixed).generate([1, 2, 3], GenerateOptions(max_tokens=10,
+                                                                          speculative=False))
         assert plain.stats.guard_interventions == 0 and plain.stats.passes == 9
-        spec = DecodeSession(pipeline).generate([1, 2, 3], GenerateOptions(max_tokens=10))
+        spec = DecodeSession(mixed).generate([1, 2, 3], GenerateOptions(max_tokens=10))
         assert spec.tokens == plain.tokens  # every row redone at T=1: plain decoding, exactly
         assert spec.stats.guard_interventions > 0
         assert spec.stats.to_dict()["tokens_per_pass"] >= 0.5
+    finally:
+        del mixed.manifest.drift[mixed.drift_key]
+
+
+def test_the_fixed_shape_never_consults_the_guard(pipeline) -> None:
+    """Even a drift that makes every row a near tie changes nothing in the fixed shape."""
+    pipeline.manifest.drift[pipeline.drift_key] = 1e9
+    try:
+        session = DecodeSession(pipeline)
+        assert session.guard_margin is None and session.fill_drafts
+        out = session.generate([1, 2, 3], GenerateOptions(max_tokens=10))
+        assert out.stats.guard_interventions == 0 and out.stats.decode_shape == "fixed"
     finally:
         del pipeline.manifest.drift[pipeline.drift_key]

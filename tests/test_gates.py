@@ -83,12 +83,19 @@ def test_gate_results_land_in_the_manifest_and_json(builds: dict, capsys) -> Non
     for key in ("gate", "passed", "backend", "precision", "min_cosine"):
         assert key in report
     assert report["gate"] == "block" and report["passed"] is True
+    assert list(report)[-1] == "passed"  # the verdict closes the JSON
     gates = load_manifest(path).manifest.gates
     assert gates["block:mil-fp32"].passed and (path / gates["block:mil-fp32"].report).is_file()
 
     assert main(["probe", "all", "--manifest", str(path), "--backend", "mil"]) == 0
     out = capsys.readouterr().out
-    assert "parity [mil/fp32]: PASS" in out and "residency: SKIPPED" in out
+    assert "row-invariance [mil/fp32]: PASS" in out and "residency: SKIPPED" in out
+    assert "parity [mil/fp32/fixed]: PASS" in out and "drift [mil/fp32/fixed]: PASS" in out
+    manifest = load_manifest(path).manifest
+    # Figures that depend on the pass width record the decode shape they were measured at.
+    assert manifest.gates["parity:mil-fp32-fixed"].decode_shape == "fixed"
+    assert manifest.drift["mil-fp32-fixed"] == 0.0  # row-invariant: a padded pass == a block row
+    assert manifest.gates["row-invariance:mil-fp32"].passed
 
 
 def test_artifact_logits_match_the_reference_dump(builds: dict, tiny_gguf_conditioned: Path,

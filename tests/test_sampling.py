@@ -18,6 +18,7 @@ from scipy import stats
 from ane_spec.decode.sampling import SamplingParams, target_distribution
 from ane_spec.decode.session import DecodeSession, GenerateOptions
 from ane_spec.decode.verify import verify_sampled
+from ane_spec.runtime.pipeline import BlockOutput
 from ane_spec.probes.gates import open_pipeline
 from ane_spec.shards.build import BuildRequest, build
 from tests.test_decode import ScriptedDrafter
@@ -47,8 +48,10 @@ def test_verify_sampled_matches_target_rows() -> None:
     drafts = [int(np.argsort(-p[0])[1]), int(p[1].argmax()), 3]  # a 2nd-best, a best, a random
     first, second_given_first = Counter(), Counter()
     draw = np.random.default_rng(1)
+    out = BlockOutput.of_logits(logits)
+    p = [target_distribution(out.row_logits(i), params) for i in range(4)]  # what verify sees
     for _ in range(n):
-        v = verify_sampled(drafts, logits, params, draw)
+        v = verify_sampled(drafts, out, params, draw)
         emitted = drafts[:v.accepted] + [v.next_token]
         first[emitted[0]] += 1
         if emitted[0] == drafts[0] and len(emitted) > 1:

@@ -1,9 +1,10 @@
-"""`ane-spec sweep`: T=1 greedy vs speculative decoding over prompt lengths, in one process.
+"""`ane-spec sweep`: plain greedy vs speculative decoding over prompt lengths, in one process.
 
 One resident process, so a Core ML backend pays its per-process JIT once (during the warm-up
-passes, before any timing). For each prompt length x rep it runs plain T=1 greedy decoding and
-speculative decoding on the same prompt with fresh sessions, and reports medians in the format of
-seeds/003's sweep table, plus tokens per pass and exactness (speculative tokens == greedy tokens).
+passes, before any timing). For each prompt length x rep it runs plain greedy decoding (one token
+per pass: a padded T=4 pass in the fixed decode shape, T=1 in the mixed one) and speculative
+decoding on the same prompt with fresh sessions, and reports medians in the format of seeds/003's
+sweep table, plus tokens per pass and exactness (speculative tokens == greedy tokens).
 
 Prompts are tiled to each target length from one source text, as seeds/003 did, so n-gram match
 density stays representative: built-in code with repetition (stdlib source) or documents to
@@ -59,7 +60,8 @@ def run_sweep(pipeline: ShardPipeline, *, lengths: Sequence[int] = DEFAULT_LENGT
         raise AneSpecError(f"no prompt length in {list(lengths)} leaves room for {new_tokens} "
                            f"new tokens in the context window of {pipeline.max_seq}")
     warm = time.perf_counter()
-    DecodeSession(pipeline).generate(base[:8], GenerateOptions(max_tokens=8))  # JIT: T=1, T=4
+    # Pays the JIT of every pass width the decode shape uses, before any timing.
+    DecodeSession(pipeline).generate(base[:8], GenerateOptions(max_tokens=8))
     warmup_s = time.perf_counter() - warm
     rows = []
     for n in fits:
@@ -83,7 +85,8 @@ def run_sweep(pipeline: ShardPipeline, *, lengths: Sequence[int] = DEFAULT_LENGT
         progress(f"[sweep] {n} tokens: greedy {row['greedy_decode_tok_s']} tok/s, speculative "
                  f"{row['decode_tok_s']} tok/s ({row['speedup']}x), {row['tokens_per_pass']} "
                  f"tok/pass, exact {exact}")
-    return {"backend": pipeline.backend.describe(), "max_seq": pipeline.max_seq,
+    return {"backend": pipeline.backend.describe(), "decode_shape": pipeline.decode_shape,
+            "max_seq": pipeline.max_seq,
             "new_tokens": new_tokens, "reps": reps, "source": prompts_file or source,
             "warmup_s": round(warmup_s, 2), "skipped_lengths": skipped, "rows": rows}
 
@@ -103,9 +106,10 @@ def _summarise(n: int, runs: dict[str, list[dict]], exact: bool) -> dict[str, An
 
 
 def format_markdown(result: dict[str, Any]) -> str:
-    lines = [f"Backend: {result['backend']}, {result['new_tokens']} new tokens, "
-             f"{result['reps']} reps (medians), prompts: {result['source']}", "",
-             "| Prompt length | Decode tok/s | Prefill tok/s | Wall/req | Speedup vs T=1 | "
+    lines = [f"Backend: {result['backend']}, {result['decode_shape']} decode shape, "
+             f"{result['new_tokens']} new tokens, {result['reps']} reps (medians), prompts: "
+             f"{result['source']}", "",
+             "| Prompt length | Decode tok/s | Prefill tok/s | Wall/req | Speedup vs greedy | "
              "Tokens/pass | Exact |", "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['prompt_tokens']} tokens | {r['decode_tok_s']:.1f} | "
@@ -133,11 +137,11 @@ def write_outputs(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     rows = result["rows"]
     x = [r["prompt_tokens"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(x, [r["greedy_decode_tok_s"] for r in rows], "o-", label="T=1 greedy")
+    ax.plot(x, [r["greedy_decode_tok_s"] for r in rows], "o-", label="greedy (1 token per pass)")
     ax.plot(x, [r["decode_tok_s"] for r in rows], "o-", label="speculative (T=4 verify)")
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("decode tok/s")
-    ax.set_title(f"ane-spec sweep: {result['backend']}")
+    ax.set_title(f"ane-spec sweep: {result['backend']}, {result['decode_shape']} shape")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -221,7 +221,8 @@ def _token_text(tok, token_id: int | None, fallback: str) -> str:  # noqa: ANN00
 def extension(engine: Engine, job: Job, result) -> dict[str, Any]:  # noqa: ANN001
     item = job.item
     ttft = None if job.first_text is None else round(job.first_text - job.created, 4)
-    return {"speculative": item.options.speculative, "guard": item.options.guard,
+    return {"decode_shape": engine.pipeline.decode_shape,
+            "speculative": item.options.speculative, "guard": item.options.guard,
             "ngram_min": item.ngram_min, "ngram_max": item.ngram_max,
             "fill_drafts": engine.fill_drafts,
             "guard_margin": engine.session.guard_margin if engine.session else None,

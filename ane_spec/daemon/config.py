@@ -46,11 +46,13 @@ class ServeConfig(BaseModel):
     api_key: str | None = Field(None, repr=False)
     backend: Literal["mil", "coreml"] = Field(default_factory=default_backend_name)
     precision: Literal["fp32", "fp16"] = "fp32"
+    # fixed: every pass at T=4 (exact, one JIT specialisation per shard); mixed: T=1 + T=4.
+    decode_shape: Literal["fixed", "mixed"] = "fixed"
     max_queue: int = Field(8, ge=0, le=10_000)  # waiting requests beyond the running one
     speculative: bool = True
     ngram_min: int = Field(_DRAFTER_DEFAULTS["ngram_min"].default, ge=1, le=MAX_NGRAM)
     ngram_max: int = Field(_DRAFTER_DEFAULTS["ngram_max"].default, ge=1, le=MAX_NGRAM)
-    guard: bool = True
+    guard: bool = True  # the mixed shape's best-effort near-tie redo; the fixed shape needs none
     max_body_bytes: int = Field(1 << 20, ge=1024)
     verify: bool = True  # hash every artifact at startup
     model_name: str | None = None  # the id clients see; default: the manifest's name

@@ -35,7 +35,6 @@ from ane_spec.daemon.metrics import Metrics
 
 log = logging.getLogger("ane_spec.daemon")
 
-WARMUP_T = (1, 4)
 
 
 class QueueFull(Exception):
@@ -225,6 +224,7 @@ class Engine:
         return base | {"warmup_seconds": round(self.warmup.seconds, 3),
                        "busy": self.busy, "queue_depth": self.queue_depth,
                        "queue_capacity": self.config.max_queue,
+                       "decode_shape": self.pipeline.decode_shape,
                        "speculative": self.config.speculative, "guard": self.config.guard,
                        "guard_margin": self.session.guard_margin if self.session else None,
                        "fill_drafts": self.fill_drafts}
@@ -307,16 +307,22 @@ class Engine:
         p = self.pipeline
         state = p.new_state()
         steps: list[tuple[str, Callable[[], Any]]] = []
-        ts = sorted({t for t in WARMUP_T if t <= p.max_t})
+        # Each pass width a process runs costs Core ML one JIT specialisation per shard: the
+        # fixed shape runs only T=4, so only T=4 is paid for.
+        widths = [p.max_t] if p.decode_shape == "fixed" else sorted({1, p.max_t})
         n = len(p.shards)
-        for t in ts:
+        for t in widths:
             for k in range(n):
                 steps.append((f"T={t} shard {k + 1}/{n}",
                               lambda t=t, k=k: self._warm_shard(t, k, state)))
             steps.append((f"T={t} head", lambda t=t: self._warm_head(t)))
-        steps.append(("draft cost policy (T=1 vs T=4 pass time)", self._measure_policy))
-        if p.manifest.drift.get(p.drift_key) is None:
-            steps.append((f"drift for the exactness guard ({p.drift_key})", self._measure_drift))
+        if p.decode_shape == "fixed":
+            self.fill_drafts = True  # an empty draft slot costs as much as a full one
+        else:
+            steps.append(("draft cost policy (T=1 vs T=4 pass time)", self._measure_policy))
+            if p.manifest.drift.get(p.drift_key) is None:
+                steps.append((f"drift for the exactness guard ({p.drift_key})",
+                              self._measure_drift))
         delay = self.config.test_warmup_delay_seconds
         self.warmup = Warmup(total=len(steps) + (1 if delay else 0))
         if delay:
@@ -376,5 +382,5 @@ def load_engine(config: ServeConfig, metrics: Metrics | None = None) -> Engine:
     log.info("loading %s (%s%s)", config.manifest, config.backend,
              f", {config.precision}" if config.backend == "mil" else "")
     _, pipeline = open_pipeline(config.manifest, config.backend, config.precision,
-                                verify=config.verify)
+                                verify=config.verify, decode_shape=config.decode_shape)
     return Engine(config, pipeline, metrics)

@@ -47,7 +47,8 @@ def serve_arguments(config: ServeConfig, python: str | None = None) -> list[str]
             "--manifest", str(Path(config.manifest).expanduser().resolve())]
     fields = ServeConfig.model_fields
     flags = {"host": "--host", "port": "--port", "backend": "--backend",
-             "precision": "--precision", "max_queue": "--max-queue", "ngram_min": "--ngram-min",
+             "precision": "--precision", "decode_shape": "--decode-shape",
+             "max_queue": "--max-queue", "ngram_min": "--ngram-min",
              "ngram_max": "--ngram-max", "max_body_bytes": "--max-body-bytes",
              "model_name": "--model-name", "log_level": "--log-level"}
     for field, flag in flags.items():

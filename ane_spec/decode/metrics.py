@@ -20,6 +20,7 @@ from typing import IO, Any
 @dataclass
 class RequestStats:
     prompt_tokens: int = 0
+    decode_shape: str = "fixed"  # the pipeline's: every pass at T=4, or T=1 decode + T=4 verify
     reused_prefix_tokens: int = 0
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
@@ -49,6 +50,7 @@ class RequestStats:
             return round(n / d, 4) if d else 0.0
 
         return {
+            "decode_shape": self.decode_shape,
             "prompt_tokens": self.prompt_tokens,
             "reused_prefix_tokens": self.reused_prefix_tokens,
             "prefill_tokens": self.prefill_tokens,
@@ -73,7 +75,7 @@ class RequestStats:
                 f"{d['prefill_tok_s']} tok/s) | generated {d['generated_tokens']} tok, decode "
                 f"{d['decode_tok_s']} tok/s | {d['passes']} passes, {d['tokens_per_pass']} "
                 f"tok/pass, hit rate {d['draft_hit_rate']}, acceptance {d['acceptance']}, "
-                f"guard {d['guard_interventions']} | backend {d['backend_seconds']}s, host "
+                f"guard {d['guard_interventions']} | {d['decode_shape']} shape | backend {d['backend_seconds']}s, host "
                 f"{d['host_seconds']}s")
 
 

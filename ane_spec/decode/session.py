@@ -7,6 +7,13 @@ attention mask hides and the next pass overwrites. Nothing is ever copied or rol
 
 A later request whose prompt starts with `kv_tokens` (the next chat turn) prefills only the new
 tokens; anything else simply starts writing at slot 0 again.
+
+Exactness. In the pipeline's fixed decode shape every pass (prefill chunk, verify pass, plain
+greedy step) computes 4 rows, so a token's logits and K/V never depend on the row it sat in or on
+its neighbours: speculative greedy output equals plain greedy output bitwise wherever the backend
+is row-invariant (`probe row-invariance`), and the exactness guard has nothing to do. In the mixed
+shape, T=1 and T=4 passes round differently; the guard then redoes near-tie rows at T=1, which is
+best effort only: it cannot re-write the KV history earlier T=4 passes left behind.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ class GenerateOptions(BaseModel):
     stop: tuple[str, ...] = ()
     sampling: SamplingParams = SamplingParams()
     speculative: bool = True
-    guard: bool = True
+    guard: bool = True  # mixed decode shape only: the fixed shape needs no guard
 
 
 @dataclass
@@ -64,19 +71,24 @@ class DecodeSession:
     pipeline: ShardPipeline
     drafter: Drafter = field(default_factory=NgramDrafter)
     trace: Trace | None = None
-    fill_drafts: bool | None = None  # None: decide from the measured pass-cost ratio
+    # None: always fill in the fixed shape (an empty draft slot costs as much as a full one);
+    # in the mixed shape, decide from the measured pass-cost ratio.
+    fill_drafts: bool | None = None
 
     def __post_init__(self) -> None:
         self.state = self.pipeline.new_state()
         self.kv_tokens: list[int] = []
         self.tokenizer = self.pipeline.tokenizer
         self.eog = self.tokenizer.eog_ids
+        self.fixed_shape = self.pipeline.decode_shape == "fixed"
         if self.fill_drafts is None:
             from ane_spec.decode.cost import draft_policy
 
-            self.fill_drafts = draft_policy(self.pipeline).fill
+            self.fill_drafts = True if self.fixed_shape else draft_policy(self.pipeline).fill
         drift = self.pipeline.manifest.drift.get(self.pipeline.drift_key)
-        self.guard_margin = None if drift is None else GUARD_FACTOR * drift
+        # The fixed shape is exact by construction: no row of a pass needs a second opinion.
+        self.guard_margin = (None if self.fixed_shape or drift is None
+                             else GUARD_FACTOR * drift)
 
     # --- public ------------------------------------------------------------------------------
 
@@ -86,7 +98,8 @@ class DecodeSession:
         return False to cancel; cancellation takes effect at the next pass boundary."""
         prompt = [int(t) for t in prompt]
         self._check(prompt, options)
-        run = _Run(self, options, on_text, RequestStats(prompt_tokens=len(prompt)))
+        run = _Run(self, options, on_text, RequestStats(prompt_tokens=len(prompt),
+                                                         decode_shape=self.pipeline.decode_shape))
         t0 = time.perf_counter()
         last = self._prefill(prompt, run.stats)
         run.stats.prefill_seconds = time.perf_counter() - t0
@@ -139,7 +152,8 @@ class DecodeSession:
         return out
 
     def _step(self, run: "_Run") -> bool:
-        """One pass (plus a T=1 redo when the guard fires). Returns False when generation ends."""
+        """One pass (plus, in the mixed shape, a T=1 redo when the guard fires). Returns False
+        when generation ends."""
         p = len(self.kv_tokens)
         if p >= self.pipeline.max_seq:
             run.finish = "context"
@@ -159,14 +173,15 @@ class DecodeSession:
             run.stats.guard_interventions += 1
             run.stats.record_pass(len(drafts), r, r)
             run.stats.record_pass(0, 0, 1)
-            verdict = Verdict(r, int(redo.argmax[0]), guard_row=r)
+            verdict = Verdict(r, redo.row_argmax(0), guard_row=r)
         else:
             run.stats.record_pass(len(drafts), verdict.accepted, verdict.accepted + 1)
         self.kv_tokens.extend(block[:verdict.accepted + 1])
         run.stats.backend_seconds += backend
         run.stats.host_seconds += time.perf_counter() - t0 - backend
         if self.trace is not None:
-            self.trace.write(position=p, T=len(block), drafts=drafts, accepted=verdict.accepted,
+            self.trace.write(position=p, T=len(block), width=self.pipeline.pass_width(len(block)),
+                             drafts=drafts, accepted=verdict.accepted,
                              next=verdict.next_token, guard_row=verdict.guard_row,
                              backend_ms=round(1000 * backend, 3),
                              host_ms=round(1000 * (time.perf_counter() - t0 - backend), 3))
@@ -198,14 +213,14 @@ class _Run:
 
     def first_token(self, out: BlockOutput) -> int:
         if self.options.sampling.greedy:
-            return int(out.argmax[-1])
-        return sample(target_distribution(out.logits[-1], self.options.sampling), self.rng)
+            return out.row_argmax(-1)
+        return sample(target_distribution(out.row_logits(-1), self.options.sampling), self.rng)
 
     def verify(self, drafts: list[int], out: BlockOutput) -> Verdict:
         if self.options.sampling.greedy:
             # A T=1 pass is exactly what plain decoding runs: nothing for the guard to judge.
-            return verify_greedy(drafts, out.argmax, out.logits, self.guard if drafts else None)
-        return verify_sampled(drafts, out.logits, self.options.sampling, self.rng)
+            return verify_greedy(drafts, out, self.guard if drafts else None)
+        return verify_sampled(drafts, out, self.options.sampling, self.rng)
 
     def emit(self, token: int) -> bool:
         """Commit one generated token to the output; False when generation must end."""

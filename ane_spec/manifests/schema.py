@@ -95,6 +95,7 @@ class GateResult(_Strict):
     passed: bool
     backend: str
     precision: str | None = None
+    decode_shape: Literal["fixed", "mixed"] | None = None  # where the figures depend on it
     figures: dict[str, Any] = Field(default_factory=dict)
     report: str | None = None
     at: str
@@ -114,6 +115,7 @@ class Manifest(_Strict):
     head: HeadEntry
     embeddings: EmbeddingsEntry
     gates: dict[str, GateResult] = Field(default_factory=dict)
-    # Measured |logit(T=4 row) - logit(T=1 recomputation)| per backend/precision, filled by
-    # probes and read by the decode engine's exactness guard.
+    # Measured |logit(block row) - logit(one-token recomputation)| per backend, precision and
+    # decode shape (`mil-fp16-mixed`), filled by probes and read by the mixed shape's exactness
+    # guard. In the fixed shape it measures 0 on a row-invariant backend.
     drift: dict[str, float] = Field(default_factory=dict)

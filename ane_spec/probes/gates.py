@@ -1,4 +1,5 @@
-"""`ane-spec probe parity|block|residency|all`: run gates on a build, report, record in the manifest."""
+"""`ane-spec probe parity|block|drift|row-invariance|residency|all`: run gates on a build, report,
+record in the manifest."""
 
 from __future__ import annotations
 
@@ -12,16 +13,20 @@ from ane_spec.probes.block import run_block
 from ane_spec.probes.drift import measure_drift
 from ane_spec.probes.parity import run_parity
 from ane_spec.probes.report import GateReport, save_report
+from ane_spec.probes.row_invariance import run_row_invariance
 from ane_spec.runtime.backend import BackendName, Precision, make_backend
-from ane_spec.runtime.pipeline import ShardPipeline
+from ane_spec.runtime.pipeline import DecodeShape, ShardPipeline
 
-GATES = ("parity", "block", "drift", "residency")
+# Row invariance first: on new hardware it is the property everything exact rests on.
+GATES = ("row-invariance", "parity", "block", "drift", "residency")
 
 
 def open_pipeline(manifest: str | os.PathLike[str], backend: BackendName, precision: Precision,
-                  *, verify: bool = True) -> tuple[LoadedManifest, ShardPipeline]:
+                  *, verify: bool = True, decode_shape: DecodeShape = "fixed"
+                  ) -> tuple[LoadedManifest, ShardPipeline]:
     loaded = load_manifest(manifest, verify=verify)
-    return loaded, ShardPipeline(loaded, make_backend(backend, precision=precision))
+    return loaded, ShardPipeline(loaded, make_backend(backend, precision=precision),
+                                 decode_shape)
 
 
 def gate_parity(loaded: LoadedManifest, pipeline: ShardPipeline,
@@ -79,7 +84,8 @@ def gate_residency(loaded: LoadedManifest, compute_units: str = "CPU_AND_NE") ->
 
 def run_gates(manifest: str | os.PathLike[str], gates: tuple[str, ...], *,
               backend: BackendName, precision: Precision, gguf: str | None = None,
-              verify: bool = True, save: bool = True) -> list[GateReport]:
+              verify: bool = True, save: bool = True, decode_shape: DecodeShape = "fixed"
+              ) -> list[GateReport]:
     loaded, pipeline = None, None
     reports = []
     for gate in gates:
@@ -88,14 +94,19 @@ def run_gates(manifest: str | os.PathLike[str], gates: tuple[str, ...], *,
             report = gate_residency(loaded)
         else:
             if pipeline is None:
-                loaded, pipeline = open_pipeline(manifest, backend, precision, verify=verify)
+                loaded, pipeline = open_pipeline(manifest, backend, precision, verify=verify,
+                                                 decode_shape=decode_shape)
                 verify = False  # hashed once is enough
             if gate == "parity":
                 report = gate_parity(loaded, pipeline, gguf)
+                report.decode_shape = pipeline.decode_shape
             elif gate == "drift":
                 report = measure_drift(pipeline)
+                report.decode_shape = pipeline.decode_shape
                 pipeline.manifest.drift[pipeline.drift_key] = report.figures["drift"]
                 record_drift(loaded.root, pipeline.drift_key, report.figures["drift"])
+            elif gate == "row-invariance":
+                report = run_row_invariance(pipeline)
             else:
                 report = run_block(pipeline)
         if save:

@@ -22,17 +22,25 @@ class GateReport:
     thresholds: dict[str, Any] = field(default_factory=dict)
     details: dict[str, Any] = field(default_factory=dict)   # per-position / per-shard lists
     skipped: str | None = None                               # why, when it could not run here
+    decode_shape: str | None = None  # set for figures that depend on the pass width (parity, drift)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        # Scripts read the headline figures at the top level (gate, passed, min_cosine, ...).
-        return {**{k: v for k, v in d.items() if k != "figures"}, **self.figures}
+        # Scripts read the headline figures at the top level (gate, min_cosine, ...), and the
+        # verdict last.
+        head = {k: v for k, v in d.items() if k not in ("figures", "passed")}
+        return {**head, **self.figures, "passed": self.passed}
+
+    @property
+    def key(self) -> str:
+        """`backend-precision[-shape]`: where the figures were measured."""
+        return "-".join(p for p in (self.backend, self.precision, self.decode_shape) if p)
 
     def summary(self) -> str:
         if self.skipped:
             return f"{self.gate}: SKIPPED ({self.skipped})"
         figs = ", ".join(f"{k} {_fmt(v)}" for k, v in self.figures.items())
-        where = self.backend + (f"/{self.precision}" if self.precision else "")
+        where = "/".join(p for p in (self.backend, self.precision, self.decode_shape) if p)
         return f"{self.gate} [{where}]: {'PASS' if self.passed else 'FAIL'}  {figs}"
 
 
@@ -44,12 +52,12 @@ def save_report(report: GateReport, loaded: LoadedManifest) -> Path:
     """Write the full report next to the manifest and record the verdict in it."""
     folder = loaded.root / "gates"
     folder.mkdir(exist_ok=True)
-    suffix = "-".join(p for p in (report.backend, report.precision) if p)
-    path = folder / f"{report.gate}-{suffix}.json"
+    path = folder / f"{report.gate}-{report.key}.json"
     path.write_text(json.dumps(report.to_dict(), indent=2, default=float) + "\n")
     if report.skipped is None:
-        record_gate(loaded.root, f"{report.gate}:{suffix}", GateResult(
+        record_gate(loaded.root, f"{report.gate}:{report.key}", GateResult(
             passed=report.passed, backend=report.backend, precision=report.precision,
+            decode_shape=report.decode_shape,
             figures={k: v for k, v in report.figures.items() if not isinstance(v, list)},
             report=path.relative_to(loaded.root).as_posix(),
             at=datetime.now(timezone.utc).isoformat(timespec="seconds")))

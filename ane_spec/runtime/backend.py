@@ -38,6 +38,9 @@ class LoadedProgram(Protocol):
     def read_state(self, state: Any, name: str) -> np.ndarray:
         """A copy of one state tensor, for debugging and the block gate."""
 
+    def write_state(self, state: Any, name: str, value: np.ndarray) -> None:
+        """Overwrite one state tensor (converted to its declared dtype), e.g. to copy a cache."""
+
 
 class Backend(Protocol):
     name: BackendName

@@ -95,6 +95,10 @@ class CoreMLProgram:
         # MLState.read_state(name) -> numpy array (models/model.py; test_api_examples.py).
         return np.array(state.read_state(name), dtype=np.float32)
 
+    def write_state(self, state: Any, name: str, value: np.ndarray) -> None:
+        # MLState.write_state(name, value) (models/model.py, coremltools 9): states are fp16.
+        state.write_state(name, np.ascontiguousarray(value, dtype=np.float16))
+
 
 class CoreMLBackend:
     name = "coreml"

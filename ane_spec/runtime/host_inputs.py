@@ -1,12 +1,18 @@
-"""The host-side inputs of a block of T tokens at position p, built in one place for every backend.
+"""The host-side inputs of one pass, built in one place for every backend.
 
-Slots are append-only: row i of the block writes slot p+i and may see slots 0..p+i. Slots past
-p+i may hold rejected drafts from an earlier pass; the mask hides them and a later pass
-overwrites them, so no state copy or rollback is ever needed.
+Slots are append-only: a row at position q writes slot q (when it writes at all) and may see
+slots 0..q. Slots past q may hold rejected drafts from an earlier pass; the mask hides them and a
+later pass overwrites them, so no state copy or rollback is ever needed.
+
+A pass can be wider than the tokens it carries. In the fixed decode shape every pass runs at
+T = 4 and the rows past the real ones are padding: they repeat the last real row's position, so
+their RoPE rows and masks stay in range at the end of the context, and their `kv_write_mask`
+column is all zero, so they write nothing. `keep = 1 - rowsum(write)` then counts real rows only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +21,7 @@ from ane_spec.errors import AneSpecError
 from ane_spec.model.rope import RopeSpec
 
 # Finite so fp16 adds stay finite, and far below any real score so exp() underflows to 0 in the
-# fp32 softmax.
+# softmax.
 MASK_VALUE = -1.0e4
 
 
@@ -34,20 +40,42 @@ class HostInputs:
         cos, sin = self.rope.tables(np.arange(self.max_seq), np.float64)
         self.cos = cos.astype(self.dtype)
         self.sin = sin.astype(self.dtype)
+        self._slots = np.arange(self.max_seq)
 
-    def block(self, position: int, t: int) -> dict[str, np.ndarray]:
-        if not 1 <= t <= self.max_t:
-            raise AneSpecError(f"a block holds 1..{self.max_t} tokens, got {t}")
+    def block(self, position: int, t: int, width: int | None = None) -> dict[str, np.ndarray]:
+        """`t` real rows at positions position..position+t-1, all writing, padded to `width`."""
+        width = t if width is None else width
+        if not 1 <= t <= width <= self.max_t:
+            raise AneSpecError(f"a pass holds 1..{self.max_t} rows, got {t} real rows in a pass "
+                               f"of {width}")
         if position < 0 or position + t > self.max_seq:
             raise AneSpecError(f"positions {position}..{position + t - 1} do not fit the "
                                f"context window of {self.max_seq} slots")
-        rows = position + np.arange(t)
-        mask = np.where(np.arange(self.max_seq)[None, :] <= rows[:, None], 0.0, MASK_VALUE)
+        positions = position + np.minimum(np.arange(width), t - 1)
+        return self._inputs(positions, np.arange(width) < t)
+
+    def rows(self, positions: Sequence[int], writes: Sequence[bool]) -> dict[str, np.ndarray]:
+        """Any rows: each at its own position, writing its slot or not. Probes use this to put
+        the same token at every row index of a pass."""
+        pos = np.asarray(positions, dtype=np.int64)
+        wr = np.asarray(writes, dtype=bool)
+        if not 1 <= len(pos) <= self.max_t or wr.shape != pos.shape:
+            raise AneSpecError(f"a pass holds 1..{self.max_t} rows, each with one write flag")
+        if pos.min() < 0 or pos.max() >= self.max_seq:
+            raise AneSpecError(f"positions {pos.tolist()} do not fit the context window of "
+                               f"{self.max_seq} slots")
+        if len(set(pos[wr].tolist())) != int(wr.sum()):
+            raise AneSpecError(f"two rows of one pass write the same slot: {pos[wr].tolist()}")
+        return self._inputs(pos, wr)
+
+    def _inputs(self, positions: np.ndarray, writes: np.ndarray) -> dict[str, np.ndarray]:
+        t = len(positions)
+        mask = np.where(self._slots[None, :] <= positions[:, None], 0.0, MASK_VALUE)
         write = np.zeros((self.max_seq, t), dtype=self.dtype)
-        write[rows, np.arange(t)] = 1.0
+        write[positions[writes], np.flatnonzero(writes)] = 1.0
         return {
-            "rope_cos": self.cos[position:position + t],
-            "rope_sin": self.sin[position:position + t],
+            "rope_cos": self.cos[positions],
+            "rope_sin": self.sin[positions],
             "attn_mask": mask.astype(self.dtype).reshape(1, 1, t, self.max_seq),
             "kv_write_mask": write.reshape(1, 1, self.max_seq, t),
         }

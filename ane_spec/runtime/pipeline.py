@@ -2,15 +2,23 @@
 
 The manifest is the only thing read: which packages, in which layout, with which RoPE spec and
 context window. A `PipelineState` holds one backend state per shard, i.e. one conversation.
+
+The decode shape decides how wide every pass is:
+- `fixed` (default): every pass computes T_max = 4 rows, whatever it carries; short blocks are
+  padded with rows that write nothing. A token's arithmetic then never depends on how the decoder
+  batched it, so on a row-invariant backend (`probe row-invariance`) speculative decoding equals
+  greedy decoding bitwise, in fp16 too.
+- `mixed`: a pass is as wide as its tokens (T=1 decode, T=4 verify). Cheaper where a T=1 pass
+  costs much less than a T=4 one, but T=1 and T=4 round differently, so in fp16 it is only close.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -19,22 +27,76 @@ from ane_spec.manifests.store import LoadedManifest
 from ane_spec.runtime.backend import Backend, LoadedProgram
 from ane_spec.runtime.host_inputs import HostInputs
 
+DecodeShape = Literal["fixed", "mixed"]
+DECODE_SHAPES: tuple[DecodeShape, ...] = ("fixed", "mixed")
+
 
 @dataclass
 class PipelineState:
     shard_states: list[Any]
 
 
-@dataclass
 class BlockOutput:
-    """One pass over T rows. `logits` [T, V] unless the head was built with --head-argmax, in
-    which case only `argmax` [T] (and the winning values `max_logit`) are available."""
+    """One pass's outputs for its real rows, read from the head's buffers only when asked.
 
-    logits: np.ndarray | None
-    argmax: np.ndarray
-    max_logit: np.ndarray
-    backend_seconds: float
-    host_seconds: float
+    Decoding needs rows 0..m (m accepted drafts), usually only their argmax, and one logits row
+    of a 200,064-token vocabulary is a 0.8 MB gather and conversion: so rows are read one at a
+    time and cached, and a pass whose first draft is rejected reads one row, not four. A head
+    built with --head-argmax has no logits, only each row's `argmax` and winning `max_logit`.
+    """
+
+    def __init__(self, rows: int, read_row: Callable[[int], np.ndarray] | None, *,
+                 argmax: np.ndarray | None = None, max_logit: np.ndarray | None = None,
+                 backend_seconds: float = 0.0, host_seconds: float = 0.0):
+        self.rows = rows
+        self._read_row = read_row
+        self._logits: dict[int, np.ndarray] = {}
+        self._argmax = {} if argmax is None else dict(enumerate(int(a) for a in argmax))
+        self._max_logit = None if max_logit is None else np.asarray(max_logit)
+        self.backend_seconds = backend_seconds
+        self.host_seconds = host_seconds
+
+    @classmethod
+    def of_logits(cls, logits: np.ndarray) -> "BlockOutput":
+        """Rows that are already logits [T, V] (tests; callers holding a dump)."""
+        logits = np.asarray(logits, dtype=np.float32)
+        return cls(len(logits), lambda i: logits[i])
+
+    @property
+    def has_logits(self) -> bool:
+        return self._read_row is not None
+
+    def row_logits(self, i: int) -> np.ndarray:
+        """Row i's logits [V] (float32; negative i counts from the end)."""
+        i = range(self.rows)[i]
+        if self._read_row is None:
+            raise AneSpecError("this build's head emits only argmax (--head-argmax): no logits")
+        if i not in self._logits:
+            self._logits[i] = self._read_row(i)
+        return self._logits[i]
+
+    def row_argmax(self, i: int) -> int:
+        i = range(self.rows)[i]
+        if i not in self._argmax:
+            self._argmax[i] = int(self.row_logits(i).argmax())
+        return self._argmax[i]
+
+    @property
+    def logits(self) -> np.ndarray | None:
+        """All rows [T, V], or None for a --head-argmax build."""
+        if self._read_row is None:
+            return None
+        return np.stack([self.row_logits(i) for i in range(self.rows)])
+
+    @property
+    def argmax(self) -> np.ndarray:
+        return np.array([self.row_argmax(i) for i in range(self.rows)], dtype=np.int64)
+
+    @property
+    def max_logit(self) -> np.ndarray:
+        if self._max_logit is not None:
+            return self._max_logit
+        return np.array([self.row_logits(i)[self.row_argmax(i)] for i in range(self.rows)])
 
 
 @dataclass
@@ -65,6 +127,7 @@ class Embeddings:
 class ShardPipeline:
     loaded: LoadedManifest
     backend: Backend
+    decode_shape: DecodeShape = "fixed"
     shards: list[LoadedProgram] = field(init=False)
     head: LoadedProgram = field(init=False)
     # Per-process measurements that layers above make once per loaded model (the decode
@@ -72,6 +135,9 @@ class ShardPipeline:
     measurements: dict[str, Any] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
+        if self.decode_shape not in DECODE_SHAPES:
+            raise AneSpecError(f"unknown decode shape '{self.decode_shape}' (choose "
+                               f"{' or '.join(DECODE_SHAPES)})")
         m = self.loaded.manifest
         self.manifest = m
         self.config = m.model
@@ -87,8 +153,14 @@ class ShardPipeline:
 
     @property
     def drift_key(self) -> str:
-        """The manifest's `drift` entry for this backend and precision (`mil-fp16`, `coreml`)."""
-        return "-".join(x for x in (self.backend.name, self.backend.precision) if x)
+        """The manifest key of figures measured on this backend, precision and decode shape
+        (`mil-fp16-fixed`, `coreml-mixed`): drift and gate results depend on all three."""
+        return "-".join(x for x in (self.backend.name, self.backend.precision,
+                                    self.decode_shape) if x)
+
+    def pass_width(self, t: int) -> int:
+        """Rows a pass carrying `t` tokens computes under this pipeline's decode shape."""
+        return self.max_t if self.decode_shape == "fixed" else t
 
     @cached_property
     def tokenizer_data(self):
@@ -106,6 +178,14 @@ class ShardPipeline:
 
     def new_state(self) -> PipelineState:
         return PipelineState([shard.make_state() for shard in self.shards])
+
+    def copy_state(self, state: PipelineState) -> PipelineState:
+        """A new state holding the same K/V, value for value."""
+        copy = self.new_state()
+        for shard, src, dst in zip(self.shards, state.shard_states, copy.shard_states):
+            for name in shard.state_names:
+                shard.write_state(dst, name, shard.read_state(src, name))
+        return copy
 
     # --- layout ---------------------------------------------------------------------------
 
@@ -131,17 +211,36 @@ class ShardPipeline:
             hidden = self.shards[n].predict({"x": hidden, **inputs}, state.shard_states[n])["hidden"]
         return hidden
 
-    def run(self, tokens: Sequence[int], position: int, state: PipelineState) -> BlockOutput:
-        """One pass over `tokens` (1..T_max) written at slots position.. position+T-1."""
+    def run(self, tokens: Sequence[int], position: int, state: PipelineState, *,
+            width: int | None = None) -> BlockOutput:
+        """One pass over `tokens` (1..T_max) written at slots position..position+T-1.
+
+        `width`: rows the backend computes (default: the decode shape's). Rows past the tokens
+        repeat the last token and write nothing; only the real rows' outputs are read."""
         t0 = time.perf_counter()
         if not 1 <= len(tokens) <= self.max_t:
             raise AneSpecError(f"a pass takes 1..{self.max_t} tokens, got {len(tokens)}")
+        width = self.pass_width(len(tokens)) if width is None else width
+        inputs = self.host.block(position, len(tokens), width)
+        padded = [*tokens, *[tokens[-1]] * (width - len(tokens))]
+        return self._run(padded, inputs, state, len(tokens), t0)
+
+    def run_rows(self, tokens: Sequence[int], positions: Sequence[int], writes: Sequence[bool],
+                 state: PipelineState) -> BlockOutput:
+        """One pass of arbitrary rows (token, position, writes its slot or not); every row is
+        read. For probes that place the same token at different row indices."""
+        t0 = time.perf_counter()
+        if len(tokens) != len(positions):
+            raise AneSpecError("every row needs one token and one position")
+        return self._run(tokens, self.host.rows(positions, writes), state, len(tokens), t0)
+
+    def _run(self, tokens: Sequence[int], inputs: dict[str, np.ndarray], state: PipelineState,
+             rows: int, t0: float) -> BlockOutput:
         bad = [t for t in tokens if not 0 <= t < self.config.vocab_size]
         if bad:
             raise AneSpecError(f"token ids {bad[:5]} are outside the vocabulary "
                                f"0..{self.config.vocab_size - 1}")
         hidden = self.to_hidden(self.embeddings.lookup(tokens))
-        inputs = self.host.block(position, len(tokens))
         host = time.perf_counter() - t0
 
         t1 = time.perf_counter()
@@ -149,35 +248,40 @@ class ShardPipeline:
         backend = time.perf_counter() - t1
 
         t2 = time.perf_counter()
-        result = self._read_head(outputs)
-        host += time.perf_counter() - t2
-        return BlockOutput(*result, backend_seconds=backend, host_seconds=host)
+        result = self._read_head(outputs, rows)
+        result.backend_seconds = backend
+        result.host_seconds = host + time.perf_counter() - t2
+        return result
 
-    def _read_head(self, outputs: dict[str, np.ndarray]
-                   ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+    def _read_head(self, outputs: dict[str, np.ndarray], rows: int) -> BlockOutput:
+        """The first `rows` rows of the head's outputs: padding rows are never read."""
         chunks = self.manifest.head.chunks
         if not self.head_argmax:
-            # One copy per pass: each chunk's [V_i, T] view is written straight into [T, V].
-            t = self.token_major(outputs["logits_0"]).shape[0]
-            logits = np.empty((t, chunks[-1][1]), dtype=np.float32)
-            for i, (start, end) in enumerate(chunks):
-                logits[:, start:end] = self.token_major(outputs[f"logits_{i}"])
-            best = logits.argmax(axis=1)
-            return logits, best, logits[np.arange(len(best)), best]
-        maxima = np.stack([self.from_hidden(outputs[f"max_{i}"])[:, 0]
-                           for i in range(len(chunks))], axis=1)           # [T, chunks]
-        index = np.stack([self.from_hidden(outputs[f"argmax_{i}"])[:, 0]
+            views = [(start, end, self.token_major(outputs[f"logits_{i}"]))  # [T, V_i], no copy
+                     for i, (start, end) in enumerate(chunks)]
+
+            def read_row(r: int) -> np.ndarray:
+                row = np.empty(chunks[-1][1], dtype=np.float32)
+                for start, end, view in views:
+                    row[start:end] = view[r]
+                return row
+
+            return BlockOutput(rows, read_row)
+        maxima = np.stack([self.from_hidden(outputs[f"max_{i}"])[:rows, 0]
+                           for i in range(len(chunks))], axis=1)           # [rows, chunks]
+        index = np.stack([self.from_hidden(outputs[f"argmax_{i}"])[:rows, 0]
                           for i in range(len(chunks))], axis=1).astype(np.int64)
         winner = maxima.argmax(axis=1)  # first chunk on ties, like a global argmax
         starts = np.array([s for s, _ in chunks])
-        rows = np.arange(len(winner))
-        return None, starts[winner] + index[rows, winner], maxima[rows, winner]
+        picked = np.arange(len(winner))
+        return BlockOutput(rows, None, argmax=starts[winner] + index[picked, winner],
+                           max_logit=maxima[picked, winner])
 
 
 def prefill_logits(pipeline: ShardPipeline, tokens: Sequence[int],
                    state: PipelineState | None = None) -> np.ndarray:
-    """Logits [T, V] for `tokens` from position 0, run in blocks of T_max (the last shorter).
-    Pass `state` to keep the filled KV slots for decoding after it."""
+    """Logits [T, V] for `tokens` from position 0, run in blocks of T_max (the last one shorter,
+    padded in the fixed decode shape). Pass `state` to keep the filled KV slots for decoding."""
     if pipeline.head_argmax:
         raise AneSpecError("this build's head emits only argmax (--head-argmax); rebuild "
                            "without it to dump logits")
