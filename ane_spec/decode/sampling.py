@@ -1,14 +1,29 @@
-"""Token choice: greedy by default, or temperature/top-p sampling with a seed.
+"""Token choice: greedy by default, or temperature/top-k/top-p/min-p sampling with a seed, after
+llama.cpp's logit processors (logit bias, ignore_eos, repetition/presence/frequency penalties).
+
+Every processor is a deterministic function of a row's logits and of the tokens before that row
+(the committed history plus the drafts the row was computed after). Verification applies the same
+function to every row it reads, so speculative greedy decoding still equals plain greedy decoding
+token for token, and speculative sampling still has exactly the plain sampler's distribution.
 
 With speculation, sampling uses exact speculative sampling for deterministic drafts: draft x is
 accepted with probability p(x); on rejection the token is drawn from p with x removed and
 renormalised. Each emitted token then has exactly the distribution plain sampling gives it.
+
+Order (llama.cpp's chain for the parts that move logits, then the truncations): logit bias,
+ignore_eos, penalties over the last `repeat_last_n` tokens, grammar mask; then temperature, top-k,
+top-p, min-p. Temperature comes first, as in HF and vLLM (llama.cpp's default chain applies it
+last): top-p and min-p see the tempered distribution, as they did here before.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range; -100 bans a token in practice, and so does -inf here
 
 
 class SamplingParams(BaseModel):
@@ -16,19 +31,79 @@ class SamplingParams(BaseModel):
 
     temperature: float = Field(0.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)  # 0: off (llama.cpp's <= 0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repeat_penalty: float = Field(1.0, gt=0.0, le=100.0)  # 1: off
+    repeat_last_n: int = Field(64, ge=0)  # the penalties' window (llama.cpp's default 64)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit; -inf bans)
+    ignore_eos: bool = False
     seed: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        return self.repeat_last_n > 0 and (self.repeat_penalty != 1.0
+                                           or self.presence_penalty != 0.0
+                                           or self.frequency_penalty != 0.0)
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether any processor moves logits (top-k/top-p/min-p never move the argmax)."""
+        return self.penalized or bool(self.logit_bias) or self.ignore_eos
+
+
+class LogitProcessor:
+    """The history-dependent part of `SamplingParams`, bound to a vocabulary's end-of-generation
+    ids. `apply` returns new float32 logits; the input row is never modified."""
+
+    def __init__(self, params: SamplingParams, eog_ids: Sequence[int]):
+        self.params = params
+        self.bias_ids = np.array([t for t, _ in params.logit_bias], dtype=np.int64)
+        self.bias_values = np.array([b for _, b in params.logit_bias], dtype=np.float32)
+        self.eog_ids = np.array(sorted(eog_ids), dtype=np.int64)
+
+    @property
+    def window(self) -> int:
+        return self.params.repeat_last_n if self.params.penalized else 0
+
+    def apply(self, logits: np.ndarray, recent: Sequence[int]) -> np.ndarray:
+        """`recent`: the last `window` tokens before this row (prompt included, as llama-server
+        feeds the prompt to its penalties sampler)."""
+        p = self.params
+        z = np.array(logits, dtype=np.float32)
+        if len(self.bias_ids):
+            np.add.at(z, self.bias_ids, self.bias_values)
+        if p.ignore_eos:
+            z[self.eog_ids] = -np.inf
+        if p.penalized and len(recent):
+            ids, counts = np.unique(np.asarray(recent[-p.repeat_last_n:], dtype=np.int64),
+                                    return_counts=True)
+            v = z[ids]
+            # llama.cpp's penalties sampler: divide a positive logit, multiply a negative one
+            # (dividing would make it likelier), then subtract the OpenAI-style penalties.
+            v = np.where(v <= 0, v * p.repeat_penalty, v / p.repeat_penalty)
+            v -= counts.astype(np.float32) * p.frequency_penalty + p.presence_penalty
+            z[ids] = v
+        return z
+
 
 def target_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """p over the vocabulary after temperature and top-p (float64, sums to 1)."""
+    """p over the vocabulary after temperature, top-k, top-p and min-p (float64, sums to 1).
+    Logits of -inf (masked tokens) get probability 0."""
     z = logits.astype(np.float64) / params.temperature
     z -= z.max()
     p = np.exp(z)
     p /= p.sum()
+    if 0 < params.top_k < len(p):
+        # Exactly k survivors; argpartition is O(V) where a sort would be O(V log V).
+        drop = np.argpartition(-p, params.top_k - 1)[params.top_k:]
+        p[drop] = 0.0
+        p /= p.sum()
     if params.top_p < 1.0:
         order = np.argsort(-p, kind="stable")
         cumulative = np.cumsum(p[order])
@@ -37,6 +112,10 @@ def target_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarra
         kept = np.zeros_like(p)
         kept[keep] = p[keep]
         p = kept / kept.sum()
+    if params.min_p > 0.0:
+        # llama.cpp's min-p: drop tokens less likely than min_p times the likeliest one.
+        p[p < params.min_p * p.max()] = 0.0
+        p /= p.sum()
     return p
 
 
@@ -59,6 +138,20 @@ def accept_draft(p: np.ndarray, draft: int, rng: np.random.Generator) -> tuple[b
     if total <= 0.0:  # p was a point mass on the draft; rng.random() < 1 always accepts it
         return True, None
     return False, sample(residual / total, rng)
+
+
+def token_logprobs(logits: np.ndarray, token: int,
+                   top_n: int) -> tuple[float, list[tuple[int, float]]]:
+    """log p(token) under softmax(logits), and the top_n likeliest tokens with theirs."""
+    z = logits.astype(np.float64)
+    z -= z.max()
+    logp = z - np.log(np.exp(z).sum())
+    top: list[tuple[int, float]] = []
+    if top_n:
+        best = np.argpartition(-logp, top_n - 1)[:top_n]
+        best = best[np.argsort(-logp[best], kind="stable")]
+        top = [(int(t), float(logp[t])) for t in best]
+    return float(logp[token]), top
 
 
 def top2_margin(row: np.ndarray) -> float:

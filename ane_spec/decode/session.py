@@ -27,10 +27,11 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from ane_spec.decode.drafter import Drafter, NgramDrafter
+from ane_spec.decode.grammar import Grammar
 from ane_spec.decode.metrics import RequestStats, Trace
-from ane_spec.decode.sampling import SamplingParams, sample, target_distribution
+from ane_spec.decode.sampling import SamplingParams, sample, token_logprobs
 from ane_spec.decode.stops import StopMatcher
-from ane_spec.decode.verify import Verdict, verify_greedy, verify_sampled
+from ane_spec.decode.verify import RowChooser, Verdict, verify_greedy, verify_sampled
 from ane_spec.errors import AneSpecError
 from ane_spec.runtime.pipeline import BlockOutput, ShardPipeline
 
@@ -41,13 +42,16 @@ GUARD_FACTOR = 2.0
 
 
 class GenerateOptions(BaseModel):
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
 
     max_tokens: int = Field(256, ge=1)
     stop: tuple[str, ...] = ()
     sampling: SamplingParams = SamplingParams()
     speculative: bool = True
     guard: bool = True  # mixed decode shape only: the fixed shape needs no guard
+    grammar: Grammar | None = None  # output constrained to it (masked per verified row)
+    logprobs: int | None = Field(None, ge=0, le=20)  # top-n alternatives per generated token
+    special_text: bool = False  # render CONTROL tokens (<|tool_call|>) in the text
 
 
 @dataclass
@@ -57,6 +61,10 @@ class GenerationResult:
     text: str
     finish_reason: FinishReason
     stats: RequestStats
+    # Per generated token, with options.logprobs: (logprob, [(token, logprob), ...] top-n) of
+    # the model's own distribution (the row's raw logits, before any processor).
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    grammar_complete: bool | None = None  # with a grammar: did the output complete it
 
     def to_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "tokens": self.tokens, "text": self.text,
@@ -98,8 +106,8 @@ class DecodeSession:
         return False to cancel; cancellation takes effect at the next pass boundary."""
         prompt = [int(t) for t in prompt]
         self._check(prompt, options)
-        run = _Run(self, options, on_text, RequestStats(prompt_tokens=len(prompt),
-                                                         decode_shape=self.pipeline.decode_shape))
+        run = _Run(self, options, on_text, prompt,
+                   RequestStats(prompt_tokens=len(prompt), decode_shape=self.pipeline.decode_shape))
         t0 = time.perf_counter()
         last = self._prefill(prompt, run.stats)
         run.stats.prefill_seconds = time.perf_counter() - t0
@@ -130,9 +138,14 @@ class DecodeSession:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise AneSpecError(f"token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
-        if not options.sampling.greedy and self.pipeline.head_argmax:
-            raise AneSpecError("this build's LM head emits only argmax (--head-argmax), so it "
-                               "cannot sample: use temperature 0 or rebuild without it")
+        if self.pipeline.head_argmax:
+            needs = ("sampling" if not options.sampling.greedy
+                     else "logit processors" if options.sampling.edits_logits
+                     else "a grammar" if options.grammar is not None
+                     else "logprobs" if options.logprobs is not None else None)
+            if needs:
+                raise AneSpecError(f"this build's LM head emits only argmax (--head-argmax), "
+                                   f"so it cannot do {needs}: rebuild without it")
 
     def _prefill(self, prompt: list[int], stats: RequestStats) -> BlockOutput:
         """Fill slots for the prompt, reusing the longest prefix already in the cache. At least
@@ -160,8 +173,7 @@ class DecodeSession:
             return False
         t0 = time.perf_counter()
         room = min(MAX_DRAFT, self.pipeline.max_seq - p - 1, run.remaining())
-        drafts = (self.drafter.draft(room, fill=self.fill_drafts)[:room]
-                  if run.options.speculative and room > 0 else [])
+        drafts = run.drafts(room) if run.options.speculative and room > 0 else []
         block = [run.pending, *drafts]
         out = self.pipeline.run(block, p, self.state)
         verdict = run.verify(drafts, out)
@@ -173,9 +185,13 @@ class DecodeSession:
             run.stats.guard_interventions += 1
             run.stats.record_pass(len(drafts), r, r)
             run.stats.record_pass(0, 0, 1)
-            verdict = Verdict(r, redo.row_argmax(0), guard_row=r)
+            token = run.chooser.argmax(redo, 0)
+            run.chooser.advance(token)
+            verdict = Verdict(r, token, guard_row=r)
+            run.record_logprobs(drafts[:r], out, redo_row=(redo, token))
         else:
             run.stats.record_pass(len(drafts), verdict.accepted, verdict.accepted + 1)
+            run.record_logprobs([*drafts[:verdict.accepted], verdict.next_token], out)
         self.kv_tokens.extend(block[:verdict.accepted + 1])
         run.stats.backend_seconds += backend
         run.stats.host_seconds += time.perf_counter() - t0 - backend
@@ -196,31 +212,63 @@ class _Run:
     """The mutable bits of one `generate` call."""
 
     def __init__(self, session: DecodeSession, options: GenerateOptions, on_text: OnText | None,
-                 stats: RequestStats):
+                 prompt: list[int], stats: RequestStats):
         self.session, self.options, self.on_text, self.stats = session, options, on_text, stats
         self.tokens: list[int] = []
         self.text: list[str] = []
         self.finish: FinishReason | None = None
         self.pending = -1
-        self.detok = session.tokenizer.detokenizer(skip_special=True)
+        self.detok = session.tokenizer.detokenizer(skip_special=not options.special_text)
         self.stops = StopMatcher(options.stop)
         self.rng = np.random.default_rng(options.sampling.seed)
         self.guard = (session.guard_margin if options.guard and options.sampling.greedy
                       else None)
+        self.chooser = RowChooser(
+            options.sampling, eog_ids=session.eog, history=prompt,
+            grammar=None if options.grammar is None else options.grammar.start())
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] | None = (
+            None if options.logprobs is None else [])
 
     def remaining(self) -> int:
         return self.options.max_tokens - len(self.tokens)
 
     def first_token(self, out: BlockOutput) -> int:
+        last = out.rows - 1
         if self.options.sampling.greedy:
-            return out.row_argmax(-1)
-        return sample(target_distribution(out.row_logits(-1), self.options.sampling), self.rng)
+            token = self.chooser.argmax(out, last)
+        else:
+            token = sample(self.chooser.distribution(out, last), self.rng)
+        self.chooser.advance(token)
+        self.record_logprobs([token], out, first_row=last)
+        return token
+
+    def drafts(self, room: int) -> list[int]:
+        """What the grammar forces next when it forces anything (accepted for certain: the
+        masked row is a point mass), else the drafter's guesses."""
+        grammar = self.chooser.grammar
+        forced = grammar.forced_tokens() if grammar is not None else []
+        if forced:
+            return forced[:room]
+        return self.session.drafter.draft(room, fill=self.session.fill_drafts)[:room]
 
     def verify(self, drafts: list[int], out: BlockOutput) -> Verdict:
         if self.options.sampling.greedy:
             # A T=1 pass is exactly what plain decoding runs: nothing for the guard to judge.
-            return verify_greedy(drafts, out, self.guard if drafts else None)
-        return verify_sampled(drafts, out, self.options.sampling, self.rng)
+            return verify_greedy(drafts, out, self.guard if drafts else None, self.chooser)
+        return verify_sampled(drafts, out, self.options.sampling, self.rng, self.chooser)
+
+    def record_logprobs(self, tokens: list[int], out: BlockOutput, *, first_row: int = 0,
+                        redo_row: tuple[BlockOutput, int] | None = None) -> None:
+        """Log-probabilities of the tokens a pass committed: token k came from row first_row+k
+        (and a guard redo's token from its own T=1 row)."""
+        if self.logprobs is None:
+            return
+        n = self.options.logprobs or 0
+        for k, token in enumerate(tokens):
+            self.logprobs.append(token_logprobs(out.row_logits(first_row + k), token, n))
+        if redo_row is not None:
+            redo, token = redo_row
+            self.logprobs.append(token_logprobs(redo.row_logits(0), token, n))
 
     def emit(self, token: int) -> bool:
         """Commit one generated token to the output; False when generation must end."""
@@ -251,5 +299,8 @@ class _Run:
                 if self.on_text is not None:
                     self.on_text(tail)
         self.stats.generated_tokens = len(self.tokens)
-        return GenerationResult(self.stats.prompt_tokens, self.tokens, "".join(self.text),
-                                self.finish or "length", self.stats)
+        grammar = self.chooser.grammar
+        return GenerationResult(
+            self.stats.prompt_tokens, self.tokens, "".join(self.text), self.finish or "length",
+            self.stats, None if self.logprobs is None else self.logprobs[:len(self.tokens)],
+            None if grammar is None else grammar.accepting)

@@ -3,15 +3,26 @@
 A pass feeds [pending, d1, .., dk] at slots p..p+k. Row i predicts slot p+i+1, so row i checks
 draft d(i+1) and the last row offers a bonus token. Only rows 0..m are clean, where m is the number
 of accepted drafts: row m+1 and later attended to a rejected draft, and are never read.
+
+A `RowChooser` turns a row into a token the same way for every row: the logit processors and the
+grammar see the committed tokens plus the drafts before that row, which is what plain decoding
+would have committed at that point. Verification walks the rows in order and `advance`s the
+chooser with each token it commits, so row i+1 is judged after draft i exactly as plain decoding
+would judge the token after it.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from ane_spec.decode.sampling import SamplingParams, accept_draft, sample, target_distribution, top2_margin
+from ane_spec.decode.grammar import GrammarState
+from ane_spec.decode.sampling import (
+    LogitProcessor, SamplingParams, accept_draft, sample, target_distribution, top2_margin,
+)
 from ane_spec.runtime.pipeline import BlockOutput
 
 
@@ -22,24 +33,85 @@ class Verdict:
     guard_row: int | None = None  # the row whose margin was within the backend's drift
 
 
-def verify_greedy(drafts: list[int], out: BlockOutput, guard_margin: float | None) -> Verdict:
-    """Longest prefix of drafts equal to the rows' argmax, plus the token of row m. Rows past
-    the first mismatch are never read.
+class RowChooser:
+    """One generation's way from a row of logits to a token, and the tokens it depends on.
+
+    With no processor and no grammar it is stateless and reads only each row's argmax (a
+    --head-argmax build has nothing else)."""
+
+    def __init__(self, params: SamplingParams = SamplingParams(), *,
+                 eog_ids: Sequence[int] = (), history: Sequence[int] = (),
+                 grammar: GrammarState | None = None):
+        self.params = params
+        self.eog = frozenset(eog_ids)
+        self.processor = LogitProcessor(params, eog_ids) if params.edits_logits else None
+        self.grammar = grammar
+        window = self.processor.window if self.processor else 0
+        self.recent: deque[int] | None = (deque(history[-window:], maxlen=window)
+                                          if window else None)
+
+    @property
+    def plain(self) -> bool:
+        return self.processor is None and self.grammar is None
+
+    def logits(self, out: BlockOutput, i: int) -> np.ndarray:
+        """Row i after the processors and the grammar mask (a new float32 array)."""
+        row = out.row_logits(i)
+        z = (self.processor.apply(row, self.recent or ()) if self.processor is not None
+             else np.array(row, dtype=np.float32))
+        if self.grammar is not None:
+            self.grammar.apply(z)
+        return z
+
+    def argmax(self, out: BlockOutput, i: int) -> int:
+        if self.plain:
+            return out.row_argmax(i)
+        if self.processor is None:
+            # Grammar only: the unconstrained winner is the constrained one whenever the grammar
+            # allows it (a masked argmax keeps the first maximum, as np.argmax does): one bit
+            # test instead of a [V] mask.
+            best = out.row_argmax(i)
+            if self.grammar.allows(best):
+                return best
+        return int(self.logits(out, i).argmax())
+
+    def distribution(self, out: BlockOutput, i: int) -> np.ndarray:
+        row = out.row_logits(i) if self.plain else self.logits(out, i)
+        return target_distribution(row, self.params)
+
+    def advance(self, token: int) -> None:
+        """Commit `token` (an accepted draft or the pass's next token)."""
+        if self.recent is not None:
+            self.recent.append(token)
+        if self.grammar is not None and token not in self.eog:
+            self.grammar.advance(token)
+
+
+def verify_greedy(drafts: list[int], out: BlockOutput, guard_margin: float | None,
+                  chooser: RowChooser | None = None) -> Verdict:
+    """Longest prefix of drafts equal to the rows' (processed) argmax, plus the token of row m.
+    Rows past the first mismatch are never read. The chooser is advanced with every token the
+    verdict commits (accepted drafts, then the next token).
 
     `guard_margin` (mixed decode shape): when set and logits are known, stop at the first used
     row whose top-1/top-2 margin is within it: T=1 decoding could pick a different token there,
-    so the caller recomputes that row with a T=1 pass instead of trusting the block's argmax.
+    so the caller recomputes that row with a T=1 pass instead of trusting the block's argmax
+    (the chooser then holds the accepted drafts, not the redone token).
     """
+    choose = chooser or RowChooser()
     m = 0
     while m < len(drafts):
         if _near_tie(out, m, guard_margin):
             return Verdict(m, None, guard_row=m)
-        if out.row_argmax(m) != drafts[m]:
+        if choose.argmax(out, m) != drafts[m]:
             break
+        choose.advance(drafts[m])
         m += 1
     if _near_tie(out, m, guard_margin):
         return Verdict(m, None, guard_row=m)
-    return Verdict(m, out.row_argmax(m))
+    token = choose.argmax(out, m)
+    choose.advance(token)
+    return Verdict(m, token)
 
 
 def _near_tie(out: BlockOutput, row: int, guard_margin: float | None) -> bool:
@@ -48,12 +120,15 @@ def _near_tie(out: BlockOutput, row: int, guard_margin: float | None) -> bool:
 
 
 def verify_sampled(drafts: list[int], out: BlockOutput, params: SamplingParams,
-                   rng: np.random.Generator) -> Verdict:
+                   rng: np.random.Generator, chooser: RowChooser | None = None) -> Verdict:
     """Speculative sampling row by row; the first rejection draws the replacement and stops."""
+    choose = chooser or RowChooser(params)
     for i, draft in enumerate(drafts):
-        accepted, replacement = accept_draft(target_distribution(out.row_logits(i), params),
-                                             draft, rng)
+        accepted, replacement = accept_draft(choose.distribution(out, i), draft, rng)
         if not accepted:
+            choose.advance(replacement)
             return Verdict(i, replacement)
-    return Verdict(len(drafts), sample(target_distribution(out.row_logits(len(drafts)), params),
-                                       rng))
+        choose.advance(draft)
+    token = sample(choose.distribution(out, len(drafts)), rng)
+    choose.advance(token)
+    return Verdict(len(drafts), token)
