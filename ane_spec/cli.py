@@ -275,7 +275,8 @@ def _serve_config(args: argparse.Namespace):
         speculative=not args.no_speculative, ngram_min=args.ngram_min,
         ngram_max=args.ngram_max, guard=not args.no_guard,
         max_body_bytes=args.max_body_bytes, verify=not args.no_verify,
-        model_name=args.model_name, log_level=args.log_level)
+        model_name=args.model_name, log_level=args.log_level,
+        allowed_origins=args.allowed_origins)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -313,6 +314,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--no-verify", action="store_true", help="skip artifact hash checks at start")
     p.add_argument("--model-name", help="the model id clients see (default: the build's name)")
+    p.add_argument("--allowed-origins", metavar="ORIGINS",
+                   help="browser origins allowed to call the API (CORS), comma-separated, or "
+                        "'*' for any; off by default: any web page could drive the model")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     _add_backend_args(p)

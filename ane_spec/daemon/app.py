@@ -10,34 +10,47 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ane_spec import __version__
+from ane_spec.model.chat import PHI4_MINI_CHAT_TEMPLATE
 from ane_spec.daemon.config import ServeConfig
 from ane_spec.daemon.engine import Engine, Job, NotReady, QueueFull, WorkItem
 from ane_spec.daemon.metrics import CONTENT_TYPE
 from ane_spec.daemon.protocol import (
-    ChatCompletionRequest, ChatMessage, CompletionRequest, Envelope, SEED_MAX,
-    SpeculationOptions, StreamOptions, TextPart, error_body, finish_reason, usage,
+    RANDOM_SEED, SEED_MAX, ChatCompletionRequest, ChatMessage, CompletionRequest,
+    DetokenizeRequest, Envelope, FunctionSpec, ResponseFormat, SpeculationOptions, StreamOptions,
+    TextPart, TokenizeRequest, Tool, dumps, error_body, finish_reason, logprobs_body, usage,
+)
+from ane_spec.daemon.tools import ToolCallParser, template_messages, tool_call_grammar
+from ane_spec.decode.grammar import (
+    Grammar, GrammarError, gbnf_grammar, json_schema_grammar, lark_grammar,
 )
 from ane_spec.decode.sampling import SamplingParams
-from ane_spec.decode.session import GenerateOptions
+from ane_spec.decode.session import GenerateOptions, GenerationResult
 from ane_spec.errors import AneSpecError
 
 log = logging.getLogger("ane_spec.daemon")
 
-OPEN_PATHS = frozenset({"/health"})  # answered without the API key (liveness probes)
+# Answered without the API key: liveness probes, and llama-server's public /props.
+OPEN_PATHS = frozenset({"/health", "/props"})
+CORS_METHODS = ["GET", "POST", "OPTIONS"]
+CORS_HEADERS = ["Authorization", "Content-Type", "Accept", "OpenAI-Organization",
+                "OpenAI-Project", "X-Stainless-Lang", "X-Stainless-Package-Version",
+                "X-Stainless-OS", "X-Stainless-Arch", "X-Stainless-Runtime",
+                "X-Stainless-Runtime-Version", "X-Stainless-Retry-Count", "X-Stainless-Timeout"]
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -140,15 +153,32 @@ class BodyLimit:
 
 # --- request preparation (runs in a worker thread: tokenization may take a while) ----------------
 
+@dataclass(frozen=True)
+class Plan:
+    """A validated request: the engine's work item and what the response does with its text."""
+
+    item: WorkItem
+    tools: bool = False  # parse <|tool_call|> output into tool_calls
+    schema: dict[str, Any] | None = None  # validate the output against it ...
+    json_output: bool = False  # ... when the output must be JSON at all
+    top_n: int | None = None  # logprobs: alternatives per token (None: no logprobs)
+
+
 def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest,
-            kind: str) -> WorkItem:
+            kind: str) -> Plan:
     tok, config, ctx = engine.tokenizer, engine.config, engine.context
+    vocab = engine.pipeline.config.vocab_size
+    uses_tools = kind == "chat" and body.uses_tools
     if kind == "chat":
         from ane_spec.model.chat import render_chat
 
         where = "messages"
         try:
-            text = render_chat(body.chat_messages(), template=tok.data.chat_template,
+            messages = template_messages(body.messages, body.tools if uses_tools else None)
+        except ValueError as exc:
+            raise BadRequest(str(exc), "messages") from None
+        try:
+            text = render_chat(messages, template=tok.data.chat_template,
                                eos_token=_token_text(tok, tok.eos_token_id, "<|endoftext|>"),
                                bos_token=_token_text(tok, tok.bos_token_id, "<|endoftext|>"))
         except AneSpecError as exc:
@@ -161,42 +191,31 @@ def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest,
             prompt = tok.encode(source, special=True, add_special=True)
         else:
             prompt = list(source)
-            bad = [t for t in prompt if not 0 <= t < engine.pipeline.config.vocab_size]
+            bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
                 raise BadRequest(f"token ids {bad[:5]} are outside the vocabulary "
-                                 f"0..{engine.pipeline.config.vocab_size - 1}", "prompt")
+                                 f"0..{vocab - 1}", "prompt")
     n = len(prompt)
     if n == 0:
         raise BadRequest("the prompt is empty", where)
-    explicit = body.requested_max_tokens()
-    if kind == "completions" and "max_tokens" not in body.model_fields_set:
-        explicit = None
-    if explicit is None:  # the default: OpenAI's 16 for completions, else the rest of the context
-        default = 16 if kind == "completions" else ctx
-        max_tokens = min(default, ctx - n)
-        if max_tokens < 1:
-            raise BadRequest(f"this model's context window is {ctx} tokens and the prompt has "
-                             f"{n}, which leaves no room to generate", where,
-                             "context_length_exceeded")
-    else:
-        max_tokens = explicit
-        param = "max_completion_tokens" if "max_completion_tokens" in body.model_fields_set \
-            else "max_tokens"
-        if max_tokens > ctx:
-            raise BadRequest(f"{param} is {max_tokens}, more than the context window of {ctx} "
-                             "tokens", param, "invalid_value")
-        if n + max_tokens > ctx:
-            raise BadRequest(f"this model's context window is {ctx} tokens, but {n + max_tokens} "
-                             f"were requested ({n} in the prompt + {max_tokens} {param}); "
-                             f"shorten the prompt or lower {param}", param,
-                             "context_length_exceeded")
-    temperature = body.temperature or 0.0
-    if temperature > 0 and engine.pipeline.head_argmax:
-        raise BadRequest("this build's LM head emits only argmax (--head-argmax), so it cannot "
-                         "sample: use temperature 0", "temperature")
-    seed = None if body.seed is None else body.seed & SEED_MAX
-    sampling = SamplingParams(temperature=temperature,
-                              top_p=1.0 if body.top_p is None else body.top_p, seed=seed)
+    room = ctx - n
+    if room < 1:
+        raise BadRequest(f"this model's context window is {ctx} tokens and the prompt has {n}, "
+                         "which leaves no room to generate", where, "context_length_exceeded")
+    # Like llama-server, a cap beyond the room left is lowered to it: generation then ends with
+    # finish_reason "length" when the context fills.
+    requested, _ = body.requested_max_tokens()
+    max_tokens = min(requested or ctx, room)
+
+    sampling = _sampling(engine, body)
+    grammar, schema, json_output = _constraint(engine, body, kind, uses_tools)
+    if grammar is not None and sampling.ignore_eos:
+        raise BadRequest("ignore_eos: cannot be combined with a grammar, a response_format or "
+                         "tools (the grammar decides where the output ends)", "ignore_eos")
+    top_n = body.top_n
+    if engine.pipeline.head_argmax:
+        _refuse_for_argmax_head(body, sampling, grammar, top_n)
+
     ext = body.ane_spec or SpeculationOptions()
     lo = config.ngram_min if ext.ngram_min is None else ext.ngram_min
     hi = config.ngram_max if ext.ngram_max is None else ext.ngram_max
@@ -210,8 +229,72 @@ def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest,
     options = GenerateOptions(
         max_tokens=max_tokens, stop=body.stops, sampling=sampling,
         speculative=config.speculative if ext.speculative is None else ext.speculative,
-        guard=config.guard if ext.guard is None else ext.guard)
-    return WorkItem(prompt, options, lo, hi, kind)
+        guard=config.guard if ext.guard is None else ext.guard, grammar=grammar,
+        logprobs=top_n, special_text=uses_tools)
+    return Plan(WorkItem(prompt, options, lo, hi, kind), tools=uses_tools, schema=schema,
+                json_output=json_output, top_n=top_n)
+
+
+def _sampling(engine: Engine, body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+    try:
+        bias = body.logit_bias_pairs(engine.pipeline.config.vocab_size)
+    except ValueError as exc:
+        raise BadRequest(str(exc).removeprefix("logit_bias: "), "logit_bias") from None
+    last_n = 64 if body.repeat_last_n is None else body.repeat_last_n
+    # llama.cpp: seed -1 draws a random seed, as no seed does.
+    seed = None if body.seed in (None, RANDOM_SEED) else body.seed & SEED_MAX
+    return SamplingParams(
+        temperature=body.temperature or 0.0, top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(body.top_k or 0, 0), min_p=body.min_p or 0.0,
+        repeat_penalty=1.0 if body.repeat_penalty is None else body.repeat_penalty,
+        repeat_last_n=engine.context if last_n == -1 else last_n,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0, logit_bias=bias,
+        ignore_eos=bool(body.ignore_eos), seed=seed)
+
+
+def _constraint(engine: Engine, body: ChatCompletionRequest | CompletionRequest, kind: str,
+                uses_tools: bool) -> tuple[Grammar | None, dict[str, Any] | None, bool]:
+    """(the grammar, the schema the output is validated against, whether it must be JSON)."""
+    tok = engine.tokenizer
+    fmt = body.response_format if kind == "chat" else None
+    try:
+        if uses_tools:
+            lark = tool_call_grammar(body.tools, body.tool_choice, body.parallel_tool_calls)
+            return Grammar(tok, lark_grammar(lark), what="the tools' parameters"), None, False
+        if fmt is not None and fmt.type != "text":
+            schema = fmt.enforced_schema
+            return (Grammar(tok, json_schema_grammar(schema), what="response_format"), schema,
+                    True)
+        if body.json_schema is not None:
+            return (Grammar(tok, json_schema_grammar(body.json_schema), what="json_schema"),
+                    body.json_schema, True)
+        if body.grammar is not None:
+            return Grammar(tok, gbnf_grammar(body.grammar), what="grammar"), None, False
+    except GrammarError as exc:
+        param = ("tools" if uses_tools else "response_format" if fmt is not None
+                 and fmt.type != "text" else "json_schema" if body.json_schema is not None
+                 else "grammar")
+        raise BadRequest(str(exc), param) from None
+    return None, None, False
+
+
+def _refuse_for_argmax_head(body, sampling: SamplingParams, grammar: Grammar | None,  # noqa: ANN001
+                            top_n: int | None) -> None:
+    why = "this build's LM head emits only argmax (--head-argmax): rebuild without it to use "
+    if sampling.temperature > 0:
+        raise BadRequest(why + "sampling (or use temperature 0)", "temperature")
+    if top_n is not None:
+        raise BadRequest(why + "logprobs", "logprobs")
+    for name in ("repeat_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
+                 "ignore_eos"):
+        if name in body.model_fields_set and sampling.edits_logits:
+            raise BadRequest(why + name, name)
+    if grammar is not None:
+        name = ("tools" if getattr(body, "uses_tools", False) else "response_format"
+                if getattr(body, "response_format", None) else "json_schema"
+                if body.json_schema is not None else "grammar")
+        raise BadRequest(why + name, name)
 
 
 def _token_text(tok, token_id: int | None, fallback: str) -> str:  # noqa: ANN001
@@ -231,7 +314,7 @@ def extension(engine: Engine, job: Job, result) -> dict[str, Any]:  # noqa: ANN0
 
 
 def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {dumps(obj)}\n\n"
 
 
 # --- the app ----------------------------------------------------------------------------------
@@ -252,9 +335,15 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
     app.state.engine = engine
     metrics = engine.metrics
 
-    # Added innermost first: auth runs before the body is even read.
+    # Added innermost first: auth runs before the body is even read, and CORS (when allowed)
+    # before auth, so a browser's preflight (which carries no credentials) gets its answer and
+    # every error response carries the headers a page needs to read it.
     app.add_middleware(BodyLimit, limit=config.max_body_bytes, engine=engine)
     app.add_middleware(BearerAuth, api_key=config.api_key, engine=engine)
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=CORS_METHODS, allow_headers=CORS_HEADERS,
+                           allow_credentials=False, max_age=600)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -294,8 +383,12 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        """llama-server's convention: 503 {"status": "loading"} until the model can answer
+        (probes that only check the code must not see it ready early), 200 {"status": "ok"}."""
         body = engine.health()
-        return JSONResponse(body, status_code=503 if body["status"] == "error" else 200)
+        status = {"ready": "ok", "warming": "loading"}.get(body["status"], body["status"])
+        return JSONResponse(body | {"status": status},
+                            status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -318,6 +411,51 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
                                   code="model_not_found")
         return JSONResponse(model_card())
 
+    @app.get("/props")
+    async def props() -> dict[str, Any]:
+        tok = engine.tokenizer
+        return {
+            "default_generation_settings": {
+                "n_ctx": engine.context, "speculative": config.speculative,
+                "params": {"n_predict": -1, "seed": RANDOM_SEED, "temperature": 0.0,
+                           "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_last_n": 64,
+                           "repeat_penalty": 1.0, "presence_penalty": 0.0,
+                           "frequency_penalty": 0.0, "ignore_eos": False, "stop": [],
+                           "samplers": ["penalties", "temperature", "top_k", "top_p",
+                                        "min_p"]}},
+            "total_slots": 1, "model_path": engine.model_id, "model_alias": engine.model_id,
+            "chat_template": tok.data.chat_template or PHI4_MINI_CHAT_TEMPLATE,
+            "bos_token": _token_text(tok, tok.bos_token_id, ""),
+            "eos_token": _token_text(tok, tok.eos_token_id, ""),
+            "modalities": {"vision": False, "audio": False},
+            "build_info": f"ane-spec {__version__}", "status": engine.health()["status"]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        tok = engine.tokenizer
+        ids = await anyio.to_thread.run_sync(
+            lambda: tok.encode(body.content, special=True, add_special=body.add_special))
+        if not body.with_pieces:
+            return {"tokens": ids}
+        return {"tokens": [{"id": t, "piece": _piece(tok.token_bytes(t))} for t in ids]}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        vocab = engine.tokenizer.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            return error_response(400, f"tokens: ids {bad[:5]} are outside the vocabulary "
+                                       f"0..{vocab - 1}", param="tokens", code="invalid_value")
+        return JSONResponse({"content": engine.tokenizer.decode(body.tokens)})
+
+    @app.post("/v1/embeddings")
+    @app.post("/embeddings")
+    async def embeddings() -> Response:
+        return error_response(
+            501, "embeddings are not supported: this server runs a generative Phi-4-mini "
+                 "build whose shards return next-token logits, not pooled embeddings",
+            "not_implemented_error", code="not_implemented")
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await generate(request, body, "chat")
@@ -331,8 +469,8 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
         try:
             if engine.status != "ready":
                 raise engine.not_ready()
-            item = await anyio.to_thread.run_sync(prepare, engine, body, kind)
-            job = engine.submit(item, asyncio.get_running_loop())
+            plan = await anyio.to_thread.run_sync(prepare, engine, body, kind)
+            job = engine.submit(plan.item, asyncio.get_running_loop())
         except BadRequest as exc:
             metrics.request(kind, "rejected_invalid")
             return error_response(400, exc.message, param=exc.param, code=exc.code)
@@ -348,11 +486,17 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
                                   headers={"Retry-After": "1"})
         envelope = Envelope(kind, engine.model_id)
         if body.stream:
-            return StreamingResponse(stream(job, envelope, body.include_usage),
+            return StreamingResponse(stream(job, plan, envelope, body.include_usage),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
-        return await collect(request, job, envelope)
+        return await collect(request, job, plan, envelope)
 
-    async def collect(request: Request, job: Job, envelope: Envelope) -> Response:
+    def logprobs_of(plan: Plan, result: GenerationResult) -> dict[str, Any] | None:
+        if plan.top_n is None or result.logprobs is None:
+            return None
+        return logprobs_body(plan.item.endpoint, result.logprobs, result.tokens,
+                             engine.tokenizer.token_bytes)
+
+    async def collect(request: Request, job: Job, plan: Plan, envelope: Envelope) -> Response:
         kind = job.item.endpoint
         watcher = asyncio.create_task(_watch_disconnect(request, engine, job))
         try:
@@ -372,15 +516,31 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
             if engine.stopping:
                 return error_response(503, "the server is shutting down", "server_error")
             return error_response(499, "the client closed the request", code="cancelled")
-        metrics.request(kind, "completed")
         result = payload
+        text, calls = result.text, None
+        if plan.tools:
+            parser = ToolCallParser()
+            content, _ = parser.feed(text)
+            content += parser.finish()
+            if parser.complete:
+                text, calls = content or None, parser.calls
+        problem = _check_output(plan, result)
+        if problem:
+            metrics.request(kind, "failed")
+            return error_response(500 if problem[0] else 400, problem[1],
+                                  "server_error" if problem[0] else "invalid_request_error",
+                                  code="invalid_output")
+        metrics.request(kind, "completed")
         return JSONResponse(envelope.response(
-            result.text, finish_reason(result.finish_reason),
-            usage(result.prompt_tokens, len(result.tokens)), extension(engine, job, result)))
+            text, finish_reason(result.finish_reason, bool(calls)),
+            usage(result.prompt_tokens, len(result.tokens)), extension(engine, job, result),
+            tool_calls=calls, logprobs=logprobs_of(plan, result)))
 
-    async def stream(job: Job, envelope: Envelope, include_usage: bool) -> AsyncIterator[str]:
+    async def stream(job: Job, plan: Plan, envelope: Envelope,
+                     include_usage: bool) -> AsyncIterator[str]:
         kind = job.item.endpoint
         finished = False
+        parser = ToolCallParser() if plan.tools else None
         try:
             if kind == "chat":
                 yield sse(envelope.chunk(first=True))
@@ -395,8 +555,14 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
                         text.append(event[1])
                     else:
                         final = event
-                if text:
-                    yield sse(envelope.chunk("".join(text)))
+                piece = "".join(text)
+                deltas: list[dict[str, Any]] = []
+                if parser is not None:
+                    piece, deltas = parser.feed(piece)
+                    if final is not None:
+                        piece += parser.finish()
+                if piece or deltas:
+                    yield sse(envelope.chunk(piece or None, tool_calls=deltas or None))
             event, payload = final
             if event == "error":
                 status, message = payload
@@ -408,9 +574,17 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
                 yield sse(error_body("the server is shutting down", "server_error"))
             else:
                 result = payload
-                metrics.request(kind, "completed")
-                yield sse(envelope.chunk(None, finish_reason(result.finish_reason),
-                                         ext=extension(engine, job, result)))
+                problem = _check_output(plan, result)
+                if problem:  # the text has left already: say so before the end of the stream
+                    metrics.request(kind, "failed")
+                    yield sse(error_body(problem[1], "server_error" if problem[0]
+                                         else "invalid_request_error", code="invalid_output"))
+                else:
+                    metrics.request(kind, "completed")
+                calls = parser is not None and parser.complete
+                yield sse(envelope.chunk(None, finish_reason(result.finish_reason, calls),
+                                         ext=extension(engine, job, result),
+                                         logprobs=logprobs_of(plan, result)))
                 if include_usage:
                     yield sse(envelope.usage_chunk(usage(result.prompt_tokens,
                                                          len(result.tokens))))
@@ -426,7 +600,43 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
 
 _FIELDS = frozenset().union(*(m.model_fields for m in (
     ChatCompletionRequest, CompletionRequest, ChatMessage, TextPart, SpeculationOptions,
-    StreamOptions)))
+    StreamOptions, Tool, FunctionSpec, ResponseFormat, TokenizeRequest, DetokenizeRequest)))
+
+
+def _check_output(plan: Plan, result: GenerationResult) -> tuple[bool, str] | None:
+    """A JSON output that left the grammar complete is validated against its schema before it
+    leaves; (is_server_fault, message) when it fails. Output cut by max_tokens or the context
+    ends with finish_reason "length" and is not judged, as OpenAI does."""
+    if not plan.json_output or result.finish_reason in ("length", "context", "cancelled"):
+        return None
+    import json
+
+    import jsonschema
+
+    try:
+        value = json.loads(result.text) if result.grammar_complete else None
+    except json.JSONDecodeError:
+        value = None
+    if value is None:
+        if plan.item.options.stop:
+            return False, ("a stop string ended the output before the JSON was complete; drop "
+                           "`stop` when asking for JSON")
+        return True, "the constrained output is not complete JSON: a bug in ane-spec"
+    try:
+        jsonschema.validate(value, plan.schema if plan.schema is not None else {"type": "object"})
+    except jsonschema.ValidationError as exc:
+        return True, f"the constrained output does not match the schema ({exc.message})"
+    except jsonschema.SchemaError:
+        return None  # the grammar engine accepted a schema jsonschema cannot check
+    return None
+
+
+def _piece(data: bytes) -> str | list[int]:
+    """llama-server's token piece: text when it is valid UTF-8, else its bytes."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(data)
 
 
 def _param_path(error: dict) -> list[str]:

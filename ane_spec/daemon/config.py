@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import ipaddress
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,6 +20,7 @@ from ane_spec.errors import AneSpecError
 from ane_spec.runtime.backend import default_backend_name
 
 LOOPBACK_NAMES = ("localhost",)
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s,]+")
 # Requests may pick n-gram lengths up to this; the drafter's index grows with ngram_max.
 MAX_NGRAM = 16
 _DRAFTER_DEFAULTS = inspect.signature(NgramDrafter).parameters
@@ -58,6 +60,9 @@ class ServeConfig(BaseModel):
     model_name: str | None = None  # the id clients see; default: the manifest's name
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     access_log: bool = True
+    # Browser origins allowed to call the API (CORS): none by default, since any web page the
+    # user opens could otherwise drive a local model; ("*",) allows every origin.
+    allowed_origins: tuple[str, ...] = ()
     # --- test-only knobs: never set these in production --------------------------------------
     # Sleep before every pass through the shards, to make generations slow enough for tests of
     # queueing and client disconnects.
@@ -71,6 +76,20 @@ class ServeConfig(BaseModel):
         if v is not None and not v.strip():
             raise ValueError("the API key is empty")
         return v
+
+    @field_validator("allowed_origins", mode="before")
+    @classmethod
+    def _origins(cls, v: Any) -> Any:
+        """A comma-separated string (the CLI's form) or a list; each origin is checked."""
+        if isinstance(v, str):
+            v = [o.strip() for o in v.split(",") if o.strip()]
+        for origin in v or ():
+            if origin != "*" and not _ORIGIN.fullmatch(origin):
+                raise ValueError(f"{origin!r} is not an origin: give scheme://host[:port] "
+                                 "(e.g. http://localhost:3000) or *")
+        if "*" in (v or ()) and len(v) > 1:
+            raise ValueError("'*' already allows every origin: give it alone")
+        return tuple(v or ())
 
     @model_validator(mode="after")
     def _safe(self) -> "ServeConfig":

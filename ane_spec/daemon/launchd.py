@@ -59,6 +59,8 @@ def serve_arguments(config: ServeConfig, python: str | None = None) -> list[str]
                         ("verify", "--no-verify")):
         if not getattr(config, field):
             args.append(flag)
+    if config.allowed_origins:
+        args += ["--allowed-origins", ",".join(config.allowed_origins)]
     return args
 
 

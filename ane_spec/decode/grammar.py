@@ -100,6 +100,15 @@ def lark_grammar(lark: str) -> str:
     return _llguidance().LLMatcher.grammar_from_lark(lark)
 
 
+def gbnf_grammar(gbnf: str) -> str:
+    """A llama.cpp GBNF grammar (llama-server's `grammar` parameter), via llguidance's
+    converter."""
+    try:
+        return _llguidance().grammar_from("gbnf", gbnf)
+    except Exception as exc:  # the converter raises its own error types and ValueError
+        raise GrammarError(f"the GBNF grammar does not parse: {_first_line(str(exc))}") from None
+
+
 class Grammar:
     """A checked grammar for one tokenizer; `start()` gives a fresh state per generation."""
 

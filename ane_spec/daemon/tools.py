@@ -1,0 +1,209 @@
+"""Tool calls in Phi-4-mini's own format, to and from OpenAI's `tools` / `tool_calls`.
+
+Sources (nothing here is guessed):
+- Tool definitions: Phi-4-mini-instruct's model card ("Tool-enabled function-calling format"):
+  the system turn carries a JSON list of {"name", "description", "parameters"} between
+  `<|tool|>` and `<|/tool|>`; its chat template (tokenizer_config.json, also the GGUF's
+  `tokenizer.chat_template`) renders a system message's "tools" string exactly there.
+- Calls: `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]<|/tool_call|>`, one JSON list
+  per turn, as in Microsoft's Phi Cookbook (Phi-4-mini function calling, which parses that list)
+  and guidance-ai's llguidance tool-call guide for Phi-4-mini.
+- Results: the template renders any role as `<|role|>content<|end|>`; a `tool` message is given
+  the role `tool_response`, the vocabulary's `<|tool_response|>` token (llama.cpp's Phi-4-mini
+  template does the same), so results never look like the `<|tool|>` definitions block.
+
+The forced kinds of `tool_choice` (required, a named function) are enforced with a grammar, and
+`auto` with one that allows plain text or a well-formed call: even a tiny model returns
+arguments valid against the function's `parameters` schema.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+from ane_spec.daemon.protocol import ChatMessage, NamedToolChoice, Tool, tool_call_delta
+from ane_spec.decode.grammar import JSON_OPTIONS
+
+TOOL_CALL = "<|tool_call|>"
+TOOL_CALL_END = "<|/tool_call|>"
+TOOL_RESPONSE_ROLE = "tool_response"
+# The model card's own system text, used when a request with tools has no system message.
+DEFAULT_TOOL_SYSTEM = "You are a helpful assistant with some tools."
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def tool_definitions(tools: list[Tool]) -> str:
+    """The JSON list the model card puts between <|tool|> and <|/tool|>."""
+    return json.dumps([{"name": t.function.name, "description": t.function.description or "",
+                        "parameters": t.function.parameters or NO_PARAMETERS} for t in tools],
+                      ensure_ascii=False)
+
+
+def template_messages(messages: list[ChatMessage],
+                      tools: list[Tool] | None) -> list[dict[str, Any]]:
+    """OpenAI messages as the chat template's {"role", "content"[, "tools"]} dicts."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        role = "system" if m.role == "developer" else m.role
+        content = m.text()
+        if role == "tool":
+            role = TOOL_RESPONSE_ROLE
+        elif role == "assistant" and m.tool_calls:
+            calls = [{"name": c.function.name, "arguments": _arguments(c.function.arguments)}
+                     for c in m.tool_calls]
+            content += TOOL_CALL + json.dumps(calls, ensure_ascii=False) + TOOL_CALL_END
+        out.append({"role": role, "content": content})
+    if tools:
+        system = next((m for m in out if m["role"] == "system"), None)
+        if system is None:
+            system = {"role": "system", "content": DEFAULT_TOOL_SYSTEM}
+            out.insert(0, system)
+        system["tools"] = tool_definitions(tools)
+    return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise ValueError(f"an assistant tool call's arguments are not JSON: {text[:60]!r}")\
+            from None
+
+
+def tool_call_grammar(tools: list[Tool], choice: str | NamedToolChoice | None,
+                      parallel: bool | None) -> str:
+    """A Lark grammar (llguidance) for the reply: a forced call for `required` or a named
+    function, plain text or a call for `auto`. Arguments follow each function's schema."""
+    if isinstance(choice, NamedToolChoice):
+        tools = [t for t in tools if t.function.name == choice.function.name]
+    calls: dict[str, Any] = {
+        "type": "array", "minItems": 1,
+        "items": {"anyOf": [{
+            "type": "object",
+            "properties": {"name": {"const": t.function.name},
+                           "arguments": t.function.parameters or NO_PARAMETERS},
+            "required": ["name", "arguments"], "additionalProperties": False} for t in tools]},
+        "x-guidance": JSON_OPTIONS}
+    if parallel is False:
+        calls["maxItems"] = 1
+    call = f"call: {TOOL_CALL} %json {json.dumps(calls)} {TOOL_CALL_END}"
+    if choice in (None, "auto"):
+        return f"start: TEXT | TEXT? call\n{call}\nTEXT: /(.|\\n)+/\n"
+    return f"start: call\n{call}\n"
+
+
+_HEADER = re.compile(r'\s*[\[,]\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+_END = re.compile(r"\s*\]")
+_CLOSE = re.compile(r"\s*\}")
+
+
+class ToolCallParser:
+    """Splits generated text (special tokens rendered) into content and tool calls, piece by
+    piece, so a stream can send OpenAI's tool-call deltas as the arguments are generated.
+
+    The calls' text is `[{"name": "f", "arguments": {...}}, ...]` (the grammar fixes the key
+    order); each call's arguments are streamed as the exact substring the model wrote, so the
+    deltas of a stream concatenate to the arguments of the same output parsed whole.
+    """
+
+    def __init__(self) -> None:
+        self._held = ""         # text not yet classified
+        self._in_calls = False  # past <|tool_call|>
+        self._done = False
+        self._call_text = ""
+        self._pos = 0           # cursor into _call_text
+        self._state = "header"  # -> "arguments" -> "close" -> "header" ...
+        self._depth = 0         # nesting depth inside a call's arguments
+        self._in_string = self._escaped = False
+        self.calls: list[dict[str, Any]] = []  # {"id", "type", "function": {name, arguments}}
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """(content to show, tool-call deltas) for this piece of text."""
+        if self._done or not text:
+            return "", []
+        if not self._in_calls:
+            self._held += text
+            cut = self._held.find(TOOL_CALL)
+            if cut < 0:
+                keep = _partial_suffix(self._held, TOOL_CALL)
+                out, self._held = self._held[:len(self._held) - keep], self._held[
+                    len(self._held) - keep:]
+                return out, []
+            content, rest = self._held[:cut], self._held[cut + len(TOOL_CALL):]
+            self._held, self._in_calls = "", True
+            return content, self._scan(rest)
+        return "", self._scan(text)
+
+    def finish(self) -> str:
+        """Content still held back at the end of the stream."""
+        out, self._held = self._held, ""
+        return "" if self._in_calls else out
+
+    @property
+    def complete(self) -> bool:
+        """Whether a whole call list (through its closing bracket) was read."""
+        return self._done and bool(self.calls)
+
+    def _scan(self, text: str) -> list[dict[str, Any]]:
+        self._call_text += text
+        deltas: list[dict[str, Any]] = []
+        s = self._call_text
+        while not self._done:
+            if self._state == "header":  # a call's start, or the list's end
+                m = _HEADER.match(s, self._pos)
+                if m:
+                    name = json.loads(f'"{m.group(1)}"')
+                    call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                            "function": {"name": name, "arguments": ""}}
+                    self.calls.append(call)
+                    deltas.append(tool_call_delta(len(self.calls) - 1, call["id"], name, ""))
+                    self._pos, self._depth, self._state = m.end(), 0, "arguments"
+                    continue
+                if (self.calls and _END.match(s, self._pos)) or TOOL_CALL_END in s[self._pos:]:
+                    self._done = True
+                break
+            if self._state == "arguments":
+                start = self._pos
+                while self._pos < len(s) and self._state == "arguments":
+                    self._step(s[self._pos])
+                    self._pos += 1
+                if self._pos > start:
+                    piece = s[start:self._pos]
+                    self.calls[-1]["function"]["arguments"] += piece
+                    deltas.append(tool_call_delta(len(self.calls) - 1, None, None, piece))
+                if self._state == "arguments":
+                    break
+                continue
+            close = _CLOSE.match(s, self._pos)  # the call object's own brace
+            if not close:
+                break
+            self._pos, self._state = close.end(), "header"
+        return deltas
+
+    def _step(self, ch: str) -> None:
+        if self._in_string:
+            if self._escaped:
+                self._escaped = False
+            elif ch == "\\":
+                self._escaped = True
+            elif ch == '"':
+                self._in_string = False
+            return
+        if ch == '"':
+            self._in_string = True
+        elif ch in "{[":
+            self._depth += 1
+        elif ch in "}]":
+            self._depth -= 1
+            if self._depth == 0:
+                self._state = "close"
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
