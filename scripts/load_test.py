@@ -167,7 +167,7 @@ def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float = 600) ->
             raise SystemExit(f"the server exited with status {proc.returncode}")
         try:
             health = httpx.get(f"{url}/health", timeout=5).json()
-            if health.get("status") == "ready":
+            if health.get("status") == "ok":
                 return health
             if health.get("status") == "error":
                 raise SystemExit(f"the server failed to warm up: {health}")

@@ -38,10 +38,12 @@ def artifacts(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
 def wait_ready(url: str, timeout: float = 60.0) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        health = httpx.get(f"{url}/health").json()
-        if health["status"] == "ready":
+        r = httpx.get(f"{url}/health")
+        health = r.json()
+        if health["status"] == "ok":
+            assert r.status_code == 200
             return health
-        assert health["status"] == "warming", health
+        assert health["status"] == "loading" and r.status_code == 503, health
         time.sleep(0.02)
     raise AssertionError("the server did not become ready")
 
@@ -237,7 +239,7 @@ def test_three_turn_chat_prefills_only_new_tokens(client, server, pipeline) -> N
 
 def test_health_models_and_metrics(server, client) -> None:
     health = httpx.get(f"{server.url}/health").json()
-    assert health["status"] == "ready" and health["context"] == S
+    assert health["status"] == "ok" and health["context"] == S
     # The fixed decode shape: exact by construction, so no guard and every draft slot filled.
     assert health["decode_shape"] == "fixed" and health["guard_margin"] is None
     assert health["fill_drafts"] is True
@@ -285,27 +287,41 @@ def test_limits_and_bad_requests(server, pipeline) -> None:
     chat, comp = f"{url}/v1/chat/completions", f"{url}/v1/completions"
     msgs = CHATS[0]
     n = len(chat_tokens(pipeline, msgs))
-    e = error_of(httpx.post(chat, json={"messages": msgs, "max_tokens": S - n + 1}), 400)
-    assert e["code"] == "context_length_exceeded" and e["param"] == "max_tokens"
-    assert f"{S} tokens" in e["message"] and f"{n} in the prompt" in e["message"]
-    assert f"{S + 1} were requested" in e["message"]
-    e = error_of(httpx.post(chat, json={"messages": msgs, "max_tokens": S + 5}), 400)
-    assert "more than the context window" in e["message"]
-    assert httpx.post(chat, json={"messages": msgs, "max_tokens": S - n}).status_code == 200
-    error_of(httpx.post(comp, json={"prompt": "x " * 400}), 400)
+    # Like llama-server, a max_tokens past the room left is capped to it (finish "length");
+    # only a prompt that leaves no room at all is refused.
+    r = httpx.post(chat, json={"messages": msgs, "max_tokens": S + 5, "logit_bias": {
+        str(t): -100 for t in pipeline.tokenizer.eog_ids}})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    assert r.json()["usage"]["completion_tokens"] == S - n
+    e = error_of(httpx.post(comp, json={"prompt": "x " * 400}), 400)
+    assert e["code"] == "context_length_exceeded" and f"{S} tokens" in e["message"]
     for body, param in [
         ({"messages": msgs, "max_tokens": 0}, "max_tokens"),
         ({"messages": msgs, "max_tokens": "ten"}, "max_tokens"),
         ({"messages": msgs, "temperature": -1}, "temperature"),
         ({"messages": msgs, "top_p": 0}, "top_p"),
         ({"messages": msgs, "n": 3}, "n"),
-        ({"messages": msgs, "logprobs": True}, "logprobs"),
+        ({"messages": msgs, "top_logprobs": 3}, "top_logprobs"),
+        ({"messages": msgs, "stream": "yes"}, "stream"),
+        ({"messages": msgs, "max_tokens": 5.0}, "max_tokens"),
+        ({"messages": msgs, "stop": ["x"] * 17}, "stop"),
+        ({"messages": msgs, "mirostat": 2}, "mirostat"),
+        ({"messages": msgs, "logit_bias": {"hello": 1}}, "logit_bias"),
+        ({"messages": msgs, "logit_bias": {"1": 500}}, "logit_bias"),
+        ({"messages": msgs, "tool_choice": "required"}, "tool_choice"),
+        ({"messages": msgs, "functions": [{"name": "f"}]}, "functions"),
+        ({"messages": msgs, "response_format": {"type": "json_schema"}}, "response_format"),
+        ({"messages": msgs, "response_format": {"type": "json_object"}, "ignore_eos": True},
+         "ignore_eos"),
+        ({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages.0"),
+        ({"messages": [{"role": "function", "content": "x", "name": "f"}]}, "messages.0"),
         ({"messages": msgs, "stop": 5}, "stop"),
         ({"messages": msgs, "ane_spec": {"ngram_min": 0}}, "ane_spec.ngram_min"),
         ({"messages": msgs, "ane_spec": {"ngram_min": 4, "ngram_max": 2}}, "ane_spec.ngram_max"),
         ({"messages": msgs, "ane_spec": {"bogus": 1}}, "ane_spec.bogus"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "critic", "content": "x"}]}, "messages.0.role"),
         ({"messages": "hello"}, "messages"),
         ({}, "messages"),
     ]:
@@ -328,7 +344,16 @@ def test_limits_and_bad_requests(server, pipeline) -> None:
     error_of(httpx.get(f"{url}/v1/nothing"), 404)
     error_of(httpx.get(chat), 405)
     error_of(httpx.get(f"{url}/v1/models/not-this-one"), 404)
-    assert httpx.get(f"{url}/health").json()["status"] == "ready"
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    e = error_of(httpx.post(f"{url}/v1/embeddings", json={"input": "x", "model": "m"}), 501)
+    assert "embeddings are not supported" in e["message"]
+    e = error_of(httpx.post(chat, json={"messages": msgs, "stop": ["x"] * 17}), 400)
+    assert "at most 16 stop strings" in e["message"]
+    e = error_of(httpx.post(chat, json={"messages": msgs, "n": 2}), 400)
+    assert "only n=1" in e["message"]
+    e = error_of(httpx.post(chat, json={"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}), 400)
+    assert "image inputs are not supported" in e["message"]
 
 
 # --- fuzz: no body the API can receive gives a 5xx ---------------------------------------------

@@ -73,7 +73,7 @@ def metrics_dict(text: str) -> dict[str, float]:
 
 
 def ready(url: str) -> dict:
-    return poll(f"{url}/health", lambda h: h["status"] == "ready", "readiness", 60)
+    return poll(f"{url}/health", lambda h: h["status"] == "ok", "readiness", 60)
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +147,7 @@ def test_queue_full_is_429_and_health_answers_during_generation(slow, pipeline) 
         read_until_text(lines_a)                     # A runs
         cm_b, _, _ = open_stream(b, OTHER)           # B waits: the queue (max_queue=1) is full
         health = poll(f"{url}/health", lambda h: h["queue_depth"] == 1, "B queued")
-        assert health["busy"] and health["status"] == "ready"
+        assert health["busy"] and health["status"] == "ok"
         m = metrics_dict(httpx.get(f"{url}/metrics").text)
         assert m["ane_spec_queue_depth"] == 1 and m["ane_spec_generation_in_progress"] == 1
         r = httpx.post(f"{url}/v1/chat/completions", json={"messages": OTHER, "max_tokens": 4})
@@ -197,8 +197,9 @@ def test_mixed_decode_shape_warms_both_widths_and_calibrates_the_guard(artifacts
 
 def test_warming_up_is_503_with_retry_after(artifacts: Path) -> None:
     with BackgroundServer(config(artifacts, test_warmup_delay_seconds=3)) as srv:
-        health = httpx.get(f"{srv.url}/health").json()
-        assert health["status"] == "warming"
+        r = httpx.get(f"{srv.url}/health")
+        health = r.json()
+        assert r.status_code == 503 and health["status"] == "loading"
         assert {"step", "done", "total", "fraction"} <= set(health["progress"])
         # The fixed decode shape warms one pass width: 2 shards + the head at T=4, plus the
         # test's delay step. No T=1 specialisation, no pass-cost policy, no drift calibration.
@@ -285,7 +286,7 @@ def test_foreground_serve_process_and_clean_shutdown(artifacts: Path) -> None:
         deadline = time.monotonic() + 60
         while True:
             try:
-                if httpx.get(f"{url}/health").json()["status"] == "ready":
+                if httpx.get(f"{url}/health").json()["status"] == "ok":
                     break
             except httpx.TransportError:
                 pass

@@ -120,20 +120,22 @@ class Grammar:
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.lltok)
         if is_error:
             raise GrammarError(f"{what} cannot be compiled: {_first_line(messages[0])}")
+        # Compiled once; every generation starts from a copy (much cheaper than a compile).
+        self._initial = llg.LLMatcher(self.lltok, grammar, log_level=0)
+        if self._initial.is_error():
+            raise GrammarError(f"{what} cannot be compiled: "
+                               f"{_first_line(self._initial.get_error())}")
 
     def start(self) -> "GrammarState":
-        return GrammarState(self)
+        return GrammarState(self, self._initial.deep_copy())
 
 
 class GrammarState:
     """The grammar after the tokens committed so far; `mask()` is cached until `advance`."""
 
-    def __init__(self, grammar: Grammar):
-        llg = _llguidance()
+    def __init__(self, grammar: Grammar, matcher: Any):
         self.vocab = grammar.tokenizer.vocab_size
-        self._matcher = llg.LLMatcher(grammar.lltok, grammar.spec, log_level=0)
-        if self._matcher.is_error():
-            raise GrammarError(_first_line(self._matcher.get_error()))
+        self._matcher = matcher
         self._bits = np.zeros((self.vocab + 31) // 32, dtype=np.int32)
         self._mask: np.ndarray | None = None
         self._fresh = False

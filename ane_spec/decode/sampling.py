@@ -81,8 +81,8 @@ class LogitProcessor:
         if p.ignore_eos:
             z[self.eog_ids] = -np.inf
         if p.penalized and len(recent):
-            ids, counts = np.unique(np.asarray(recent[-p.repeat_last_n:], dtype=np.int64),
-                                    return_counts=True)
+            window = np.fromiter(recent, dtype=np.int64, count=len(recent))[-p.repeat_last_n:]
+            ids, counts = np.unique(window, return_counts=True)
             v = z[ids]
             # llama.cpp's penalties sampler: divide a positive logit, multiply a negative one
             # (dividing would make it likelier), then subtract the OpenAI-style penalties.
