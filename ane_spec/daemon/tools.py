@@ -95,7 +95,10 @@ def tool_call_grammar(tools: list[Tool], choice: str | NamedToolChoice | None,
     return f"start: call\n{call}\n"
 
 
-_HEADER = re.compile(r'\s*[\[,]\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+# Complete only once the value's first character has arrived, so that a piece ending between
+# ':' and an optional space cannot put that space into the streamed arguments.
+_HEADER = re.compile(
+    r'\s*[\[,]\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
 _END = re.compile(r"\s*\]")
 _CLOSE = re.compile(r"\s*\}")
 
