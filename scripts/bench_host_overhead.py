@@ -10,7 +10,8 @@ of its ~55 ms of compute. Target: <= 1 ms per pass.
 
 Both decode shapes: fixed (every pass 4 rows; only the real rows of the head are read) and mixed
 (T=1 decode, T=4 verify, with the exactness guard on at this backend's measured drift, as in
-production).
+production). In the fixed shape, also greedy under a JSON-schema grammar (the llguidance mask
+of every row verification reads) and with penalties on (a full processed row per read row).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ane_spec.decode.grammar import Grammar, json_schema_grammar
+from ane_spec.decode.sampling import SamplingParams
 from ane_spec.decode.session import DecodeSession, GenerateOptions
 from ane_spec.model.synthetic import preset, write_synthetic_gguf
 from ane_spec.probes.drift import measure_drift
@@ -51,13 +54,21 @@ def main() -> None:
         if shape == "mixed":
             drift = measure_drift(pipeline).figures["drift"]
             pipeline.manifest.drift[pipeline.drift_key] = report["mixed_drift"] = drift
-        per_pass = {"speculative": [], "greedy": []}
+        modes = {"speculative": {}, "greedy": {"speculative": False}}
+        if shape == "fixed":
+            schema = {"type": "object", "properties": {"items": {"type": "array", "items": {
+                "type": "string"}}}, "required": ["items"]}
+            modes["speculative+json_grammar"] = {"grammar": Grammar(
+                pipeline.tokenizer, json_schema_grammar(schema))}
+            modes["speculative+penalties"] = {"sampling": SamplingParams(
+                repeat_penalty=1.1, frequency_penalty=0.1)}
+        per_pass = {mode: [] for mode in modes}
         for _ in range(args.reps):
             for mode in per_pass:
                 session = DecodeSession(pipeline)
                 t0 = time.perf_counter()
                 out = session.generate(prompt, GenerateOptions(
-                    max_tokens=args.new_tokens, speculative=mode == "speculative"))
+                    max_tokens=args.new_tokens, **modes[mode]))
                 wall = time.perf_counter() - t0
                 s = out.stats  # backend/host split covers decode passes only
                 per_pass[mode].append({
