@@ -290,7 +290,7 @@ def test_limits_and_bad_requests(server, pipeline) -> None:
     # Like llama-server, a max_tokens past the room left is capped to it (finish "length");
     # only a prompt that leaves no room at all is refused.
     r = httpx.post(chat, json={"messages": msgs, "max_tokens": S + 5, "logit_bias": {
-        str(t): -100 for t in pipeline.tokenizer.eog_ids}})
+        str(t): -100 for t in pipeline.tokenizer.eog_ids}}, timeout=300)
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
     assert r.json()["usage"]["completion_tokens"] == S - n
     e = error_of(httpx.post(comp, json={"prompt": "x " * 400}), 400)
