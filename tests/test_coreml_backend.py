@@ -55,7 +55,8 @@ def test_import_does_not_load_coremltools() -> None:
 
 def test_macos_version_gate() -> None:
     assert macos_problem("darwin", (15, 0)) is None and macos_problem("darwin", (26, 1)) is None
-    assert macos_problem("darwin", (14, 6, 1)) == "unavailable: needs macOS 15 (this is macOS 14.6.1)"
+    assert macos_problem("darwin", (14, 6, 1)) == (
+        "unavailable: needs macOS 15 (this is macOS 14.6.1)")
     assert macos_problem("linux", ()) == "unavailable: needs macOS 15 (this is linux)"
 
 
@@ -154,7 +155,8 @@ def test_reshape_hint_follows_the_decode_shape(tmp_path: Path, monkeypatch) -> N
 
     from ane_spec.shards.programs import save_package
 
-    @mb.program(input_specs=[mb.TensorSpec((1, 4), dtype=types.fp16)], opset_version=ct.target.iOS18)
+    @mb.program(input_specs=[mb.TensorSpec((1, 4), dtype=types.fp16)],
+                opset_version=ct.target.iOS18)
     def prog(scores):
         return mb.mul(x=scores, y=np.float16(2.0), name="doubled")
 

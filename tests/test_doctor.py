@@ -88,7 +88,8 @@ def test_a_failing_check_fails_the_command(tiny_gguf_conditioned: Path, tmp_path
     only = [c for c in CHECKS if c[0] in ("fp16-only", "ane-lint")]
     checks = by_name(run_doctor(out, checks=only))
     assert checks["fp16-only"].status == "passed"
-    assert checks["ane-lint"].status == "failed" and "per-block-scales" in checks["ane-lint"].summary
+    lint = checks["ane-lint"]
+    assert lint.status == "failed" and "per-block-scales" in lint.summary
     assert to_markdown(list(checks.values()), str(out)).count("| failed |") == 1
 
 

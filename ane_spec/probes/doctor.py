@@ -242,7 +242,7 @@ def synthetic_on_coreml(dims: str) -> Callable[[DoctorRun], Verdict]:
     return check
 
 
-# --- the build on Core ML --------------------------------------------------------------------------
+# --- the build on Core ML -----------------------------------------------------------------
 
 def check_residency(run: DoctorRun) -> Verdict:
     run.need_build_on_coreml()
@@ -286,7 +286,8 @@ def check_cold_jit(run: DoctorRun) -> Verdict:
     per_package = ", ".join(f"{label} " + "/".join(f"{k} {v:.1f}s" for k, v in times.items())
                             for label, times in first.items())
     return Verdict("passed", f"load {load_s:.1f}s; first predictions {total:.1f}s in all: "
-                   f"{per_package}", {"load_s": round(load_s, 3), "first_prediction_s": first})
+                   f"{per_package}", {"backend": pipeline.backend.describe(),
+                                      "load_s": round(load_s, 3), "first_prediction_s": first})
 
 
 def check_warm_latency(run: DoctorRun) -> Verdict:
@@ -296,7 +297,8 @@ def check_warm_latency(run: DoctorRun) -> Verdict:
     figures = {f"t{w}_ms": _median_pass_ms(pipeline, w) for w in (1, 4)}
     run.measurements["CPU_AND_NE"] = figures
     return Verdict("passed", f"CPU_AND_NE: T=1 {figures['t1_ms']:.1f} ms, T=4 "
-                   f"{figures['t4_ms']:.1f} ms per pass", figures)
+                   f"{figures['t4_ms']:.1f} ms per pass",
+                   figures | {"backend": pipeline.backend.describe()})
 
 
 def check_ane_vs_cpu(run: DoctorRun) -> Verdict:
@@ -328,7 +330,7 @@ def _median_pass_ms(pipeline, width: int) -> float:
     return round(1000 * statistics.median(times[1:]), 3)
 
 
-# --- model checks: Core ML where it runs, the fp16 interpreter elsewhere ---------------------------
+# --- model checks: Core ML where it runs, the fp16 interpreter elsewhere --------------------
 
 def check_row_invariance(run: DoctorRun) -> Verdict:
     from ane_spec.probes.row_invariance import run_row_invariance
