@@ -157,6 +157,21 @@ def cmd_probe_layer(args: argparse.Namespace) -> int:
     return 0 if _print_reports(reports, args.json) else 1
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ane_spec.probes.doctor import run_doctor
+    from ane_spec.probes.doctor_report import to_json, to_lines, to_markdown
+
+    checks = run_doctor(args.manifest, decode_shape=args.decode_shape, gguf=args.gguf,
+                        progress=lambda msg: print(f"[doctor] {msg}", file=sys.stderr))
+    print(to_json(checks, args.manifest) if args.json else to_lines(checks))
+    if args.out:
+        Path(args.out).write_text(to_markdown(checks, args.manifest))
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 1 if any(c.status == "failed" for c in checks) else 0
+
+
 def _add_backend_args(p: argparse.ArgumentParser, *, decode_shape: bool = True) -> None:
     from ane_spec.runtime.backend import default_backend_name
 
@@ -457,6 +472,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print", action="store_true",
                    help="print the plist and where it would go; write nothing")
     p.set_defaults(handler=cmd_daemon_install)
+
+    p = sub.add_parser("doctor", help="check every Core ML assumption on this machine (run "
+                                      "first on a Mac; attach the report to bug reports)")
+    p.add_argument("--manifest", help="also check this build: residency, JIT, latency, "
+                                      "row invariance, drift, parity, memory")
+    p.add_argument("--gguf", help="source GGUF for the parity check (default: the manifest's)")
+    p.add_argument("--decode-shape", choices=["fixed", "mixed"], default="fixed",
+                   help="the decode shape to check (sets Core ML's reshape hint)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with a checks list")
+    p.add_argument("--out", help="also write a short Markdown report to this file")
+    p.set_defaults(handler=cmd_doctor)
 
     probe = sub.add_parser("probe", help="gates (row-invariance, parity, block, drift, residency, "
                                          "all) and probes")

@@ -13,7 +13,7 @@ from ane_spec.manifests.store import load_manifest
 from ane_spec.model.synthetic import preset
 from ane_spec.shards import build as build_module
 from ane_spec.shards.build import BuildRequest, build
-from ane_spec.shards.static_checks import read_package_facts
+from ane_spec.shards.static_checks import dtype_problems, read_package_facts
 from ane_spec.shards.topology import check_budget, parse_topology, plan_topology
 from tests.gguf_edit import rewrite_gguf
 
@@ -57,8 +57,13 @@ def test_build_interface_and_ops(tiny_gguf: Path, tmp_path: Path, topology: str,
         assert facts.states == expected_states
         n = b - a
         ops = facts.ops
-        assert ops["conv"] == 4 * n and ops["layer_norm"] == 2 * n and ops["softmax"] == n
-        assert ops["write_state"] == 2 * n and ops["cast"] == 2 * n and ops["matmul"] == 4 * n
+        assert ops["conv"] == 4 * n and ops["layer_norm"] == 2 * n
+        assert ops["reduce_max"] == ops["exp"] == ops["real_div"] == n  # the fp16 softmax
+        assert ops["write_state"] == 2 * n and ops["matmul"] == 4 * n
+        # fp16 only: no casts, no fp32 value anywhere; and no trailing identity.
+        assert not {"cast", "softmax", "identity"} & set(ops)
+        assert set(facts.output_dtypes.values()) <= {"fp16", "int32", "int8", "bool", "string"}
+        assert dtype_problems(facts) == [] and set(facts.io_dtypes.values()) == {"fp16"}
         blockwise = ops["constexpr_blockwise_shift_scale"]
         assert blockwise == (0 if weights == "fp16" else 4 * n)
         for _, dtype, data, scale in facts.conv_weights:
@@ -70,6 +75,8 @@ def test_build_interface_and_ops(tiny_gguf: Path, tmp_path: Path, topology: str,
                 assert dtype == "fp16" and scale is None
 
     head = read_package_facts(out / m.head.file.path)
+    assert "fp32" not in head.output_dtypes.values() and dtype_problems(head) == []
+    assert not {"cast", "identity"} & set(head.ops)
     assert m.head.chunks == [(0, 341), (341, 682), (682, 1024)]
     if argmax:
         assert head.outputs == ["max_0", "argmax_0", "max_1", "argmax_1", "max_2", "argmax_2"]

@@ -12,7 +12,14 @@ import pytest
 
 from ane_spec.errors import AneSpecError
 from ane_spec.runtime.backend import BackendUnavailable, LoadedProgram, make_backend
-from ane_spec.runtime.coreml_backend import COMPUTE_UNITS, CoreMLBackend, compile_package
+from ane_spec.runtime.compiled_cache import CACHE_ENV
+from ane_spec.runtime.coreml_backend import (
+    COMPUTE_UNITS,
+    CoreMLBackend,
+    compile_package,
+    macos_problem,
+    optimization_hints,
+)
 
 ON_MAC = sys.platform == "darwin"
 mac_only = pytest.mark.skipif(not ON_MAC, reason="Core ML compiles and runs models only on "
@@ -46,45 +53,119 @@ def test_import_does_not_load_coremltools() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def test_compile_package_keeps_and_refreshes(tmp_path: Path, monkeypatch) -> None:
-    """The caching and atomic swap, with coremltools' compile_model replaced by a fake (only
-    macOS can really compile)."""
+def test_macos_version_gate() -> None:
+    assert macos_problem("darwin", (15, 0)) is None and macos_problem("darwin", (26, 1)) is None
+    assert macos_problem("darwin", (14, 6, 1)) == (
+        "unavailable: needs macOS 15 (this is macOS 14.6.1)")
+    assert macos_problem("linux", ()) == "unavailable: needs macOS 15 (this is linux)"
+
+
+def test_require_macos_asks_coremltools_for_the_version(monkeypatch) -> None:
+    """On a Mac the version comes from coremltools' own helper; an old one gets the one-line
+    'unavailable' message, never a raw error."""
     import coremltools.models.utils as ct_utils
 
     from ane_spec.runtime import coreml_backend
 
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setattr(ct_utils, "_macos_version", lambda: (14, 4))
+    with pytest.raises(BackendUnavailable) as err:
+        coreml_backend.require_macos("the residency report")
+    assert str(err.value) == ("unavailable: needs macOS 15 (this is macOS 14.4): the residency "
+                              "report needs Core ML")
+    assert "\n" not in str(err.value)
+
+    def sw_vers_failed():
+        raise Exception("Unable to determine the macOS version")
+
+    monkeypatch.setattr(ct_utils, "_macos_version", sw_vers_failed)
+    with pytest.raises(BackendUnavailable, match="could not read the macOS version"):
+        coreml_backend.require_macos("x")
+    if not ON_MAC:  # a new enough version gets as far as the native bridge, absent here
+        monkeypatch.setattr(ct_utils, "_macos_version", lambda: (15, 2))
+        with pytest.raises(BackendUnavailable, match="native Core ML bridge failed to load"):
+            coreml_backend.require_macos("x")
+
+
+def test_compile_package_goes_through_the_hash_keyed_cache(tmp_path: Path, monkeypatch) -> None:
+    """compile_package keys the cache by the given sha256, or by the package's own hash; the
+    Core ML compiler is replaced (only macOS has it)."""
+    import coremltools.models.utils as ct_utils
+
+    from ane_spec.manifests.store import hash_path
+    from ane_spec.runtime import coreml_backend
+
     calls = []
 
-    def fake_compile(model: str, destination_path: str) -> str:
-        assert destination_path.endswith(".mlmodelc") and Path(destination_path).name[0] == "."
+    def fake_compile_model(model: str, destination_path: str) -> str:
         calls.append(model)
-        if len(calls) == 3:
-            raise RuntimeError("compiler failed")
         Path(destination_path).mkdir()
-        (Path(destination_path) / "model.mil").write_text(str(len(calls)))
         return destination_path
 
-    monkeypatch.setattr(coreml_backend, "require_macos", lambda what: None)
-    monkeypatch.setattr(ct_utils, "compile_model", fake_compile)
-    package = tmp_path / "head.mlpackage"
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(coreml_backend, "require_macos", lambda what, advice="": None)
+    monkeypatch.setattr(ct_utils, "compile_model", fake_compile_model)
+    package = tmp_path / "build" / "head.mlpackage"
     (package / "Data").mkdir(parents=True)
     (package / "Data" / "weights.bin").write_bytes(b"w")
-    old = os.stat(package).st_mtime - 10
-    for p in (package, package / "Data", package / "Data" / "weights.bin"):
-        os.utime(p, (old, old))
-
+    digest = hash_path(package)[1]
     compiled = compile_package(package)
-    assert compiled == tmp_path / "head.mlmodelc" and len(calls) == 1
-    assert compile_package(package) == compiled and len(calls) == 1  # newer: reused
-    future = compiled.stat().st_mtime + 10
-    os.utime(package / "Data" / "weights.bin", (future, future))
-    compile_package(package)
-    assert len(calls) == 2 and (compiled / "model.mil").read_text() == "2"
-    os.utime(package / "Data" / "weights.bin", (future + 10, future + 10))
-    with pytest.raises(RuntimeError):
-        compile_package(package)
-    assert (compiled / "model.mil").read_text() == "2"  # the old compile survives a failure
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["head.mlmodelc", "head.mlpackage"]
+    assert compiled == tmp_path / "cache" / "compiled" / f"{digest}.mlmodelc"
+    assert compile_package(package, digest) == compiled and calls == [str(package)]
+    assert compile_package(package, "ab" * 32).name == "ab" * 32 + ".mlmodelc"
+    assert len(calls) == 2 and sorted(p.name for p in package.parent.iterdir()) == [package.name]
+    with pytest.raises(AneSpecError, match="not an .mlpackage"):
+        compile_package(tmp_path / "missing.mlpackage")
+
+
+def test_reshape_hint_follows_the_decode_shape(tmp_path: Path, monkeypatch) -> None:
+    """fixed -> Infrequent, mixed -> Frequent, handed to CompiledMLModel as coremltools wants it
+    (checked by coremltools' own validator). Loading is replaced off macOS."""
+    import coremltools as ct
+    import coremltools.models.model as ct_model
+
+    from ane_spec.runtime import coreml_backend
+
+    monkeypatch.setattr(ct_model, "_macos_version", lambda: (15, 0))  # the validator's check
+    for frequency in ("Infrequent", "Frequent"):
+        hints = optimization_hints(frequency)
+        assert hints == {"reshapeFrequency": ct.ReshapeFrequency[frequency]}
+        ct_model._verify_optimization_hint_input(hints)
+
+    monkeypatch.setattr(coreml_backend, "require_macos", lambda what, advice="": None)
+    assert make_backend("coreml", decode_shape="fixed").reshape_frequency == "Infrequent"
+    mixed = make_backend("coreml", decode_shape="mixed", compute_units="CPU_ONLY")
+    assert mixed.reshape_frequency == "Frequent"
+    assert mixed.describe() == "Core ML (CPU_ONLY, reshapeFrequency Frequent)"
+    with pytest.raises(AneSpecError, match="decode shape 'wide'"):
+        make_backend("coreml", decode_shape="wide")
+    with pytest.raises(AneSpecError, match="reshape frequency 'Sometimes'"):
+        CoreMLBackend(reshape_frequency="Sometimes")
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, path, compute_units, function_name=None, optimization_hints=None):
+            seen.update(path=path, units=compute_units, hints=optimization_hints)
+
+    monkeypatch.setattr(coreml_backend, "compile_package", lambda p, sha: tmp_path / f"{sha}.c")
+    monkeypatch.setattr(ct.models, "CompiledMLModel", Recorder)
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import types
+
+    from ane_spec.shards.programs import save_package
+
+    @mb.program(input_specs=[mb.TensorSpec((1, 4), dtype=types.fp16)],
+                opset_version=ct.target.iOS18)
+    def prog(scores):
+        return mb.mul(x=scores, y=np.float16(2.0), name="doubled")
+
+    package = tmp_path / "p.mlpackage"
+    save_package(prog, package)
+    program = mixed.load(package, sha256="cd" * 32)
+    assert seen == {"path": str(tmp_path / f"{'cd' * 32}.c"), "units": ct.ComputeUnit.CPU_ONLY,
+                    "hints": {"reshapeFrequency": ct.ReshapeFrequency.Frequent}}
+    assert program.input_names == ["scores"] and program.state_names == []
 
 
 class FakeModel:
@@ -156,23 +237,28 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 
 @mac_only
-def test_compile_is_kept_and_reused(artifacts) -> None:
+def test_compile_is_cached_outside_the_build(artifacts, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     out, m = artifacts
     package = out / m.head.file.path
-    compiled = compile_package(package)
-    assert compiled == out / "head.mlmodelc" and compiled.is_dir()
+    compiled = compile_package(package, m.head.file.sha256)
+    assert compiled == tmp_path / "compiled" / f"{m.head.file.sha256}.mlmodelc"
+    assert compiled.is_dir() and not (out / "head.mlmodelc").exists()
     stamp = compiled.stat().st_mtime_ns
     assert compile_package(package) == compiled and compiled.stat().st_mtime_ns == stamp
 
 
 @mac_only
-@pytest.mark.parametrize("units", ["CPU_ONLY", "CPU_AND_NE"])
-def test_layers_and_head_agree_with_the_mil_interpreter(artifacts, units: str) -> None:
+@pytest.mark.parametrize("units,reshape", [("CPU_ONLY", "Infrequent"),
+                                           ("CPU_AND_NE", "Infrequent"),
+                                           ("CPU_AND_NE", "Frequent")])
+def test_layers_and_head_agree_with_the_mil_interpreter(artifacts, units: str,
+                                                        reshape: str) -> None:
     from ane_spec.runtime.mil_backend import MILBackend
 
     out, m = artifacts
     shard = m.shards[0]
-    coreml, mil = CoreMLBackend(units), MILBackend("fp16")
+    coreml, mil = CoreMLBackend(units, reshape), MILBackend("fp16")
     programs = [b.load(out / shard.file.path) for b in (coreml, mil)]
     heads = [b.load(out / m.head.file.path) for b in (coreml, mil)]
     assert isinstance(programs[0], LoadedProgram)

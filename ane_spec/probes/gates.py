@@ -53,11 +53,10 @@ def residency_or_lint(package: Path, compute_units: str = "CPU_AND_NE") -> GateR
     lint = [vars(w) | {"package": Path(w.package).name} for w in ane_lint(package)]
     try:
         r = residency_report(package, compute_units)
-    except BackendUnavailable:
+    except BackendUnavailable as exc:  # "unavailable: needs macOS 15 (this is ...): ..."
         return GateReport("residency", False, "coreml", None, {"lint_warnings": len(lint)},
                           {"compute_non_ane": 0}, {"lint": lint},
-                          skipped=f"MLComputePlan needs macOS (this is {sys.platform}); "
-                                  f"the static ANE lint ran instead: {len(lint)} warnings")
+                          skipped=f"{exc}; the static ANE lint ran instead: {len(lint)} warnings")
     figures = {k: getattr(r, k) for k in RESIDENCY_COUNTS} | {"lint_warnings": len(lint)}
     return GateReport("residency", r.passed, "coreml", None, figures, {"compute_non_ane": 0},
                       {"lint": lint, "packages": [r.to_dict()]})

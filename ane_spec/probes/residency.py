@@ -1,13 +1,18 @@
 """Where a package's ops run: Core ML's compute plan (macOS), and a static lint (anywhere).
 
 `residency_report` is the measurement: it asks Core ML which device each op of the compiled
-program prefers, and applies ane-book's gate (every `conv` and every other op except consts and
-`constexpr_*` weight decompression prefers the Neural Engine). `ane_lint` only reads the package
-for patterns known to fall off the ANE; a clean lint is never a claim of residency.
+program prefers, and applies ane-book's gate: every `conv` and every other op Core ML dispatches
+prefers the Neural Engine. Consts and `constexpr_*` weight decompression are weights, not work.
+An op for which the plan returns no device usage (None) is not dispatched at all: const-like ops,
+state reads, casts, identities. Apple's own tests and executorch's plan tool skip those; they are
+reported as "unplanned", by op type, and do not fail the gate, except a `conv`: a conv is the work
+the gate is about, so an undetermined one cannot count as on the ANE. `ane_lint` only reads the
+package for patterns known to fall off the ANE; a clean lint is never a claim of residency.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,54 +28,76 @@ class ResidencyReport:
     package: str
     compute_units: str
     conv_total: int = 0
-    conv_non_ane: int = 0
-    compute_total: int = 0
+    conv_non_ane: int = 0       # convs preferring another device, or with no planned device
+    compute_total: int = 0      # ops with a planned device (convs included)
     compute_non_ane: int = 0
+    unplanned: dict[str, int] = field(default_factory=dict)  # op type -> ops with usage None
     non_ane_ops: list[dict[str, Any]] = field(default_factory=list)
     # each {"op": type, "output": first output name, "device": preferred device, "cost": weight}
 
     @property
     def passed(self) -> bool:
-        """Every compute op (convs included) prefers the ANE; an empty plan never passes."""
+        """Every planned op and every conv prefers the ANE; a plan with no planned op proves
+        nothing, so it never passes."""
         return self.compute_total > 0 and self.conv_non_ane == 0 and self.compute_non_ane == 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"passed": self.passed}
 
 
-def residency_report(package: Path, compute_units: str = "CPU_AND_NE") -> ResidencyReport:
+def residency_report(package: Path, compute_units: str = "CPU_AND_NE",
+                     sha256: str | None = None) -> ResidencyReport:
     check_compute_units(compute_units)
     require_macos("the residency report")
     import coremltools as ct
-    from coremltools.models.compute_device import MLNeuralEngineComputeDevice
     from coremltools.models.compute_plan import MLComputePlan
 
-    compiled = compile_package(package)
+    compiled = compile_package(package, sha256)
     # MLComputePlan.load_from_path(path, compute_units) on the .mlmodelc (models/compute_plan.py)
     plan = MLComputePlan.load_from_path(str(compiled), compute_units=ct.ComputeUnit[compute_units])
+    return plan_residency(plan, str(package), compute_units)
+
+
+def op_kind(operator_name: str) -> str:
+    """`ios18.conv` -> `conv`: compiled programs may carry the opset in operator names."""
+    return operator_name.rsplit(".", 1)[-1]
+
+
+def plan_residency(plan: Any, package: str, compute_units: str) -> ResidencyReport:
+    """Walk an `MLComputePlan` (coremltools' dataclasses in models/compute_plan.py, walked as
+    test_compute_plan_utils.py does) and count where each op goes."""
+    from coremltools.models.compute_device import MLNeuralEngineComputeDevice
+
     program = plan.model_structure.program
     if program is None:
         raise AneSpecError(f"{package} is not an ML program")
-    report = ResidencyReport(str(package), compute_units)
-    # program.functions["main"].block.operations, op.operator_name, op.outputs[i].name: the
-    # dataclasses in models/compute_plan.py, walked the same way in test_compute_plan_utils.py.
+    report = ResidencyReport(package, compute_units)
+    unplanned: Counter[str] = Counter()
     for op in program.functions["main"].block.operations:
-        kind = op.operator_name.rsplit(".", 1)[-1]  # compiled names may carry the opset: ios18.conv
+        kind = op_kind(op.operator_name)
         if kind == "const" or kind.startswith("constexpr_"):
-            continue  # weights and their decompression: no device usage
+            continue  # weights and their decompression
         usage = plan.get_compute_device_usage_for_mlprogram_operation(op)
-        device = usage.preferred_compute_device if usage is not None else None
-        report.compute_total += 1
-        report.conv_total += kind == "conv"
-        if isinstance(device, MLNeuralEngineComputeDevice):  # as test_compute_plan_utils.py
-            continue
-        report.compute_non_ane += 1
-        report.conv_non_ane += kind == "conv"
+        is_conv = kind == "conv"
+        report.conv_total += is_conv
+        if usage is None:
+            unplanned[kind] += 1
+            if not is_conv:
+                continue  # not dispatched: nothing runs anywhere
+            device_name = "unplanned"
+        else:
+            report.compute_total += 1
+            device = usage.preferred_compute_device
+            if isinstance(device, MLNeuralEngineComputeDevice):  # as test_compute_plan_utils.py
+                continue
+            report.compute_non_ane += 1
+            device_name = type(device).__name__
+        report.conv_non_ane += is_conv
         cost = plan.get_estimated_cost_for_mlprogram_operation(op)  # MLComputePlanCost | None
         report.non_ane_ops.append({
             "op": op.operator_name, "output": op.outputs[0].name if op.outputs else "",
-            "device": type(device).__name__ if device is not None else "none",
-            "cost": cost.weight if cost is not None else None})
+            "device": device_name, "cost": cost.weight if cost is not None else None})
+    report.unplanned = dict(sorted(unplanned.items()))
     return report
 
 

@@ -17,6 +17,12 @@ from ane_spec.errors import AneSpecError
 
 BackendName = Literal["mil", "coreml"]
 Precision = Literal["fp32", "fp16"]
+# Core ML's reshapeFrequency hint, per decode shape: the fixed shape runs every pass at T=4, one
+# shape for the program's lifetime; the mixed shape alternates T=1 and T=4.
+ReshapeFrequency = Literal["Infrequent", "Frequent"]
+RESHAPE_FREQUENCIES: tuple[ReshapeFrequency, ...] = ("Infrequent", "Frequent")
+RESHAPE_FREQUENCY_FOR_DECODE_SHAPE: dict[str, ReshapeFrequency] = {
+    "fixed": "Infrequent", "mixed": "Frequent"}
 
 
 class BackendUnavailable(AneSpecError):
@@ -46,15 +52,18 @@ class Backend(Protocol):
     name: BackendName
     precision: Precision | None  # None where the hardware decides (Core ML)
 
-    def load(self, package: Path) -> LoadedProgram:
-        ...
+    def load(self, package: Path, *, sha256: str | None = None) -> LoadedProgram:
+        """`sha256`: the package's content hash as the manifest records it, if known (Core ML
+        keys its compiled-model cache by it; otherwise it hashes the package)."""
 
     def describe(self) -> str:
         ...
 
 
 def make_backend(name: BackendName, *, precision: Precision = "fp32",
-                 compute_units: str = "CPU_AND_NE") -> Backend:
+                 compute_units: str = "CPU_AND_NE", decode_shape: str = "fixed") -> Backend:
+    if decode_shape not in RESHAPE_FREQUENCY_FOR_DECODE_SHAPE:
+        raise AneSpecError(f"unknown decode shape '{decode_shape}' (choose fixed or mixed)")
     if name == "mil":
         from ane_spec.runtime.mil_backend import MILBackend
 
@@ -62,7 +71,8 @@ def make_backend(name: BackendName, *, precision: Precision = "fp32",
     if name == "coreml":
         from ane_spec.runtime.coreml_backend import CoreMLBackend
 
-        return CoreMLBackend(compute_units=compute_units)
+        return CoreMLBackend(compute_units=compute_units,
+                             reshape_frequency=RESHAPE_FREQUENCY_FOR_DECODE_SHAPE[decode_shape])
     raise AneSpecError(f"unknown backend '{name}' (choose mil or coreml)")
 
 

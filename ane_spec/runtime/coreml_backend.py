@@ -1,27 +1,32 @@
-"""Core ML as a backend (macOS only): packages compiled once into kept `.mlmodelc` folders.
+"""Core ML as a backend (macOS 15+ only): packages compiled once into a per-user cache.
 
 coremltools' runtime is imported inside the functions, never at module import, so this module
-loads anywhere; everything that needs Core ML first calls `require_macos`. Calls follow
-coremltools 9.0's source: models/utils.py `compile_model`, models/_compiled_model.py
-`CompiledMLModel`, models/model.py `MLState`.
+loads anywhere; everything that needs Core ML first calls `require_macos`, which names what is
+missing in one line ("unavailable: needs macOS 15 ..."). Calls follow coremltools 9.0's source:
+models/utils.py `compile_model` and `_macos_version`, models/_compiled_model.py `CompiledMLModel`
+(with `optimization_hints`), models/model.py `MLState`.
 """
 
 from __future__ import annotations
 
-import os
-import platform
-import shutil
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ane_spec.errors import AneSpecError
-from ane_spec.runtime.backend import BackendUnavailable
+from ane_spec.runtime.backend import (
+    RESHAPE_FREQUENCIES,
+    BackendUnavailable,
+    ReshapeFrequency,
+)
+from ane_spec.runtime.compiled_cache import compile_cached
 
 COMPUTE_UNITS = ("ALL", "CPU_ONLY", "CPU_AND_GPU", "CPU_AND_NE")  # coremltools.ComputeUnit names
+# Every package is an iOS18-opset program and the layer shards are stateful: both need macOS 15
+# (MLState, the iOS18 opset). MLComputePlan alone would need 14.4, so 15 covers everything.
+MIN_MACOS = (15, 0)
 
 
 def check_compute_units(name: str) -> str:
@@ -31,40 +36,68 @@ def check_compute_units(name: str) -> str:
     return name
 
 
-def require_macos(what: str) -> None:
-    if sys.platform != "darwin":
-        raise BackendUnavailable(f"{what} needs macOS (Core ML cannot compile, run or plan "
-                                 f"models on {sys.platform}); use --backend mil")
+def macos_problem(platform: str, version: tuple[int, ...]) -> str | None:
+    """Why Core ML cannot run these packages on `platform` at `version`, or None if it can."""
+    need = MIN_MACOS[0]
+    if platform != "darwin":
+        return f"unavailable: needs macOS {need} (this is {platform})"
+    if tuple(version) < MIN_MACOS:
+        have = ".".join(str(v) for v in version) or "of unknown version"
+        return f"unavailable: needs macOS {need} (this is macOS {have})"
+    return None
+
+
+def require_macos(what: str, advice: str = "") -> None:
+    """Raise BackendUnavailable, one line naming what is missing, unless Core ML can run here."""
+    tail = f": {what} needs Core ML" + (f"; {advice}" if advice else "")
+    version: tuple[int, ...] = ()
+    if sys.platform == "darwin":
+        from coremltools.models.utils import _macos_version  # coremltools' own check (sw_vers)
+
+        try:
+            version = _macos_version()
+        except Exception as exc:  # it raises a bare Exception when sw_vers fails
+            raise BackendUnavailable(f"unavailable: could not read the macOS version ({exc})"
+                                     + tail) from None
+    problem = macos_problem(sys.platform, version)
+    if problem:
+        raise BackendUnavailable(problem + tail)
     try:  # the native bridge every runtime call goes through (models/model.py imports it)
         from coremltools import libcoremlpython  # noqa: F401
     except ImportError as exc:
-        raise BackendUnavailable(f"{what} needs coremltools' native Core ML bridge, which "
-                                 f"failed to load ({exc}); use --backend mil") from None
+        raise BackendUnavailable(f"unavailable: coremltools' native Core ML bridge failed to "
+                                 f"load ({exc})" + tail) from None
 
 
-def compile_package(package: Path) -> Path:
-    """`x.mlpackage` -> `x.mlmodelc` next to it, compiled only when missing or older."""
+def compile_package(package: Path, sha256: str | None = None) -> Path:
+    """The compiled `.mlmodelc` of a package, from the per-user cache (see compiled_cache),
+    compiling it on first use. `sha256` is the package's content hash as a manifest records it;
+    without one the package is hashed here."""
     require_macos("compiling a Core ML package")
     from coremltools.models.utils import compile_model
 
+    from ane_spec.manifests.store import hash_path
+
     package = Path(package)
-    compiled = package.with_suffix(".mlmodelc")
-    newest = max(p.stat().st_mtime for p in [package, *package.rglob("*")])
-    if compiled.is_dir() and compiled.stat().st_mtime > newest:
-        return compiled
-    # compile_model(model_path, destination_path) moves Core ML's output to destination_path,
-    # which must end in ".mlmodelc" (models/utils.py); a temp sibling makes the swap atomic.
-    tmp = compiled.with_name(f".{compiled.stem}.{os.getpid()}.mlmodelc")
-    shutil.rmtree(tmp, ignore_errors=True)
-    started = time.time()
-    try:
-        compile_model(str(package), destination_path=str(tmp))
-        shutil.rmtree(compiled, ignore_errors=True)
-        os.replace(tmp, compiled)
-        os.utime(compiled, (started, started))  # a package edited mid-compile stays newer
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return compiled
+    if not package.is_dir():
+        raise AneSpecError(f"{package}: not an .mlpackage folder")
+    digest = sha256 or hash_path(package)[1]
+
+    def compile_to(src: Path, dst: Path) -> None:
+        # compile_model moves Core ML's output to destination_path, which must end in
+        # ".mlmodelc" and not exist yet (models/utils.py).
+        compile_model(str(src), destination_path=str(dst))
+
+    return compile_cached(package, digest, compile_to)
+
+
+def optimization_hints(reshape_frequency: ReshapeFrequency) -> dict[str, Any]:
+    """CompiledMLModel's `optimization_hints` (macOS 15+): `reshapeFrequency` tells Core ML
+    whether input shapes change between predictions. Infrequent lets it specialise for the one
+    shape the fixed decode shape uses; Frequent suits alternating T=1 and T=4 passes."""
+    import coremltools as ct
+
+    return {"reshapeFrequency": ct.ReshapeFrequency[reshape_frequency]}
 
 
 class CoreMLProgram:
@@ -104,22 +137,27 @@ class CoreMLBackend:
     name = "coreml"
     precision = None  # Core ML picks the arithmetic per compute unit
 
-    def __init__(self, compute_units: str = "CPU_AND_NE"):
+    def __init__(self, compute_units: str = "CPU_AND_NE",
+                 reshape_frequency: ReshapeFrequency = "Infrequent"):
         self.compute_units = check_compute_units(compute_units)
-        require_macos("the Core ML backend")
+        if reshape_frequency not in RESHAPE_FREQUENCIES:
+            raise AneSpecError(f"unknown reshape frequency '{reshape_frequency}' (choose "
+                               f"{' or '.join(RESHAPE_FREQUENCIES)})")
+        self.reshape_frequency: ReshapeFrequency = reshape_frequency
+        require_macos("the Core ML backend", "use --backend mil")
 
-    def load(self, package: Path) -> CoreMLProgram:
+    def load(self, package: Path, *, sha256: str | None = None) -> CoreMLProgram:
         import coremltools as ct
 
-        compiled = compile_package(package)
+        compiled = compile_package(package, sha256)
         desc = ct.models.MLModel(str(package), skip_model_load=True).get_spec().description
-        if desc.state and int(platform.mac_ver()[0].split(".")[0]) < 15:  # MLModel.make_state
-            raise BackendUnavailable("stateful programs need macOS 15 or later; "
-                                     "use --backend mil")
-        # CompiledMLModel(path: str, compute_units: ct.ComputeUnit) (models/_compiled_model.py)
-        model = ct.models.CompiledMLModel(str(compiled), ct.ComputeUnit[self.compute_units])
+        # CompiledMLModel(path, compute_units, function_name, optimization_hints)
+        # (models/_compiled_model.py)
+        model = ct.models.CompiledMLModel(
+            str(compiled), ct.ComputeUnit[self.compute_units],
+            optimization_hints=optimization_hints(self.reshape_frequency))
         return CoreMLProgram(model, [i.name for i in desc.input], [o.name for o in desc.output],
                              [s.name for s in desc.state])
 
     def describe(self) -> str:
-        return f"Core ML ({self.compute_units})"
+        return f"Core ML ({self.compute_units}, reshapeFrequency {self.reshape_frequency})"

@@ -38,7 +38,8 @@ class MILBackend:
         self.precision: Precision = precision
         self.kernels: Kernels = kernels
 
-    def load(self, package: Path) -> MILProgram:
+    def load(self, package: Path, *, sha256: str | None = None) -> MILProgram:
+        # sha256 keys Core ML's compiled-model cache; the interpreter compiles nothing.
         return MILProgram(MILInterpreter.from_package(package, precision=self.precision,
                                                       kernels=self.kernels))
 

@@ -11,7 +11,9 @@ Precision:
   * "fp16": emulates an fp16 device (the ANE): each op computes in float32 (so matmul, conv,
     reductions, softmax and layer_norm accumulate in fp32) and its output is rounded to float16
     when its declared dtype is fp16. Values declared fp32 (e.g. after `cast(dtype="fp32")`) stay
-    float32. States are float16 arrays.
+    float32. States are float16 arrays. The compiler's attention softmax is five fp16 ops
+    (reduce_max, sub, exp, reduce_sum, real_div), so it is rounded after each of them, as
+    declared; a single `softmax` op would be rounded once, at its output.
 
 Kernels:
   * "row" (default): conv and matmul compute every token row with its own product, so a row's

@@ -7,9 +7,13 @@ Channels-first 4-D tensors and 1x1 convs (Apple's ml-ane-transformers rules). Th
     qkv = conv(a); q, k, v = split            heads -> [1, H, T, hd]
     q, k = rope(q), rope(k)                   host cos/sin [T, rot/2], attn factor included
     K = K * (1 - rowsum(W)) + W @ k           W = kv_write_mask [1, 1, S, T]: T one-hot rows
-    o = softmax32(q K^T / sqrt(hd) + mask) V  over all S slots, GQA by reshaping q's heads
+    o = softmax(q K^T / sqrt(hd) + mask) V    over all S slots, GQA by reshaping q's heads
     x = x + conv(o as [head, dim, token])     the flatten order seeds/003 got wrong once
     x = x + conv(silu(g) * u), (g, u) = split(conv(rmsnorm(x)))
+
+Every op is fp16, softmax included: the Neural Engine computes only fp16, and one fp32-typed op
+sends its layer to the CPU and back (coremltools' typed-execution guide). The build's static
+checks refuse any fp32 value in a saved program.
 """
 
 from __future__ import annotations
@@ -95,16 +99,37 @@ def scatter_rows(state: Var, rows: Var, io: BlockInputs, name: str) -> Var:
     return mb.add(x=mb.mul(x=state, y=io.keep), y=placed, name=name)
 
 
-def attention(q: Var, keys: Var, values: Var, io: BlockInputs, c: ModelConfig) -> Var:
+def attention(q: Var, keys: Var, values: Var, io: BlockInputs, c: ModelConfig,
+              fp32_softmax: bool = False) -> Var:
     """Softmax attention over all S slots; returns [1, H, T, hd]."""
     h, kv, hd, slots = c.num_heads, c.num_kv_heads, c.head_dim, keys.shape[2]
     # Query head h uses KV head h // group: fold each group's heads into the row axis.
     grouped = mb.reshape(x=q, shape=[1, kv, -1, hd])                    # [1, kv, G*T, hd]
     scores = mb.matmul(x=grouped, y=keys, transpose_y=True)             # [1, kv, G*T, S]
     scores = mb.add(x=mb.reshape(x=scores, shape=[1, h, -1, slots]), y=io.attn_mask)
-    probs = mb.cast(x=mb.softmax(x=mb.cast(x=scores, dtype="fp32"), axis=-1), dtype="fp16")
+    if fp32_softmax:  # the island this compiler once had; only for the static check's test
+        probs = mb.cast(x=stable_softmax(mb.cast(x=scores, dtype="fp32")), dtype="fp16")
+    else:
+        probs = stable_softmax(scores)
     out = mb.matmul(x=mb.reshape(x=probs, shape=[1, kv, -1, slots]), y=values)
     return mb.reshape(x=out, shape=[1, h, -1, hd])
+
+
+def stable_softmax(scores: Var) -> Var:
+    """Softmax over the last axis, spelled out so that every step is an op of its own, in the
+    dtype of `scores` (fp16 in every program the compiler writes).
+
+    The max is subtracted before exp, so exp's argument is <= 0 and every term is in [0, 1]: no
+    overflow for any finite scores, and a masked slot (score - 1e4) underflows to exactly 0. The
+    row's maximum term is exp(0) = 1, so the sum is in [1, S] and the division is safe even for a
+    row with every slot masked (it comes out uniform, not NaN). Written out rather than as
+    `softmax` so the arithmetic is the program's, not a kernel's unstated choice, and so the fp16
+    interpreter rounds where the program says values are fp16: after each of these five ops.
+    (Core ML's compiler may still fuse them on a device; the parity gate measures the result.)
+    """
+    peak = mb.reduce_max(x=scores, axes=[-1], keep_dims=True)
+    terms = mb.exp(x=mb.sub(x=scores, y=peak))
+    return mb.real_div(x=terms, y=mb.reduce_sum(x=terms, axes=[-1], keep_dims=True))
 
 
 def merge_heads(o: Var, c: ModelConfig, layout: Layout, flatten: str = "head_dim_token") -> Var:
@@ -127,13 +152,17 @@ class GraphVariant:
     drop_attn_factor: bool = False
     swap_kv_scatter: bool = False
     flatten: str = "head_dim_token"
+    fp32_softmax: bool = False  # cast -> softmax in fp32 -> cast: must fail the static checks
 
 
 CORRECT = GraphVariant()
 
 
 def phi3_layer(x: Var, i: int, w: LayerWeights, io: BlockInputs, k_state: Var, v_state: Var,
-               c: ModelConfig, layout: Layout, variant: GraphVariant = CORRECT) -> Var:
+               c: ModelConfig, layout: Layout, variant: GraphVariant = CORRECT,
+               out_name: str | None = None) -> Var:
+    """One layer; its output op is named `out_name` (the program's output, so no trailing
+    `identity` is needed to name it) or `layer_{i}_out`."""
     d, hd, kv = c.hidden_size, c.head_dim, c.num_kv_heads
     p = f"layer_{i}_"
     half = hd // 2 if variant.rotate_all_dims else c.rope_dims // 2
@@ -162,14 +191,15 @@ def phi3_layer(x: Var, i: int, w: LayerWeights, io: BlockInputs, k_state: Var, v
     values = mb.coreml_update_state(
         state=v_state, value=scatter_rows(mb.read_state(input=v_state), v, io, p + "v_new"))
 
-    o = merge_heads(attention(q, keys, values, io, c), c, layout, variant.flatten)
+    o = merge_heads(attention(q, keys, values, io, c, variant.fp32_softmax), c, layout,
+                    variant.flatten)
     x = mb.add(x=x, y=mb.conv(x=o, weight=conv_weight(w.attn_output, p + "o_w")))
 
     f = mb.conv(x=rms_norm(x, w.ffn_norm, c.rms_eps, d, p + "ffn_norm"),
                 weight=conv_weight(w.ffn_up, p + "up_w"))
     g, u = mb.split(x=f, num_splits=2, axis=1)
     down = mb.conv(x=mb.mul(x=mb.silu(x=g), y=u), weight=conv_weight(w.ffn_down, p + "down_w"))
-    return mb.add(x=x, y=down, name=p + "out")
+    return mb.add(x=x, y=down, name=out_name or p + "out")
 
 
 def _widen_table(t: Var, width: int, have: int) -> Var:

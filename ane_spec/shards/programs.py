@@ -1,8 +1,11 @@
 """Whole MIL programs (layer shards, LM head) and their conversion to `.mlpackage`.
 
-Programs are written in fp16 by hand, with an fp32 island around softmax, and converted with
-`compute_precision=FLOAT32` so that coremltools inserts no casts of its own: the dtypes in the
-package are exactly the ones written here.
+Programs are written in fp16 by hand, every op of them (the LM head's argmax indices are int32).
+They are converted with `compute_precision=FLOAT32`, which for a program with no fp32 value in it
+changes nothing: that setting adds no casts (FLOAT16 would run the fp16 cast pass, which could
+also silently erase an fp32 op someone wrote, as it erased the fp32 softmax of the torch model
+ane-book converted). So the dtypes in the package are exactly the ones written here, and
+`static_checks` refuses a package with any fp32 value in it.
 """
 
 from __future__ import annotations
@@ -71,8 +74,10 @@ def layer_program(first_layer: int, layers: Sequence[LayerWeights], c: ModelConf
         for n, w in enumerate(layers):
             i = first_layer + n
             k_name, v_name = state_names(i)
-            x = phi3_layer(x, i, w, io, inputs[k_name], inputs[v_name], c, layout, variant)
-        return [mb.identity(x=x, name=HIDDEN_OUT)]
+            last = n == len(layers) - 1
+            x = phi3_layer(x, i, w, io, inputs[k_name], inputs[v_name], c, layout, variant,
+                           out_name=HIDDEN_OUT if last else None)
+        return [x]
 
     return _program(specs, body)
 

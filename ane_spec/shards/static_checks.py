@@ -2,8 +2,8 @@
 
 They read the saved protobuf (names, types, op list) without loading the weight blobs, so checking
 a 2 GB shard costs well under a second: every input shares the one RangeDim token axis, states
-are fp16 and fixed-shape, no op outside the set the compiler emits, weights in the requested
-format.
+are fp16 and fixed-shape, no op outside the set the compiler emits, no fp32 value anywhere (the
+ANE computes only fp16: one fp32-typed op bars it from a layer), weights in the requested format.
 """
 
 from __future__ import annotations
@@ -20,14 +20,19 @@ from ane_spec.shards.weights import WeightFormat
 
 LAYER_OPS = frozenset({
     "const", "constexpr_blockwise_shift_scale", "conv", "concat", "layer_norm", "slice_by_index",
-    "mul", "add", "sub", "split", "reshape", "transpose", "matmul", "reduce_sum", "softmax",
-    "cast", "silu", "read_state", "identity",
+    "mul", "add", "sub", "split", "reshape", "transpose", "matmul", "reduce_sum", "reduce_max",
+    "exp", "real_div", "silu", "read_state",
     # A saved package stores each coreml_update_state as write_state followed by read_state.
     "write_state",
 })
-HEAD_OPS = LAYER_OPS | {"reduce_max", "reduce_argmax"}
+HEAD_OPS = LAYER_OPS | {"reduce_argmax"}
+# Values a package may hold: fp16 compute, int8 weight payloads, int32 shapes/axes/argmax indices,
+# bool flags and string op parameters (pad_type). fp32 and fp64 would run off the Neural Engine;
+# any type not named here is refused too, so a new one is a decision, not an accident.
+ALLOWED_DTYPES = frozenset({"fp16", "int8", "uint8", "int32", "bool", "string"})
 
-_DTYPES = {MIL_pb2.FLOAT16: "fp16", MIL_pb2.FLOAT32: "fp32", MIL_pb2.INT32: "int32",
+_DTYPES = {MIL_pb2.FLOAT16: "fp16", MIL_pb2.FLOAT32: "fp32", MIL_pb2.FLOAT64: "fp64",
+           MIL_pb2.BFLOAT16: "bf16", MIL_pb2.STRING: "string", MIL_pb2.INT32: "int32",
            MIL_pb2.INT8: "int8", MIL_pb2.UINT8: "uint8", MIL_pb2.BOOL: "bool",
            MIL_pb2.INT64: "int64"}
 
@@ -46,6 +51,7 @@ class PackageFacts:
     blockwise: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
     # (output name, data shape, scale shape) of every constexpr_blockwise_shift_scale
     enumerated_inputs: list[str] = field(default_factory=list)  # inputs with EnumeratedShapes
+    io_dtypes: dict[str, str] = field(default_factory=dict)  # model input/output name -> dtype
 
 
 def read_package_facts(path: Path) -> PackageFacts:
@@ -61,6 +67,9 @@ def read_package_facts(path: Path) -> PackageFacts:
         arr = s.type.stateType.arrayType
         states[s.name] = (list(arr.shape), _array_dtype(arr.dataType))
     facts = PackageFacts(inputs=inputs, outputs=[o.name for o in desc.output], states=states)
+    facts.io_dtypes = {f.name: _array_dtype(f.type.multiArrayType.dataType)
+                       for f in [*desc.input, *desc.output]
+                       if f.type.WhichOneof("Type") == "multiArrayType"}
     facts.enumerated_inputs = [i.name for i in desc.input if i.type.WhichOneof("Type") ==
                                "multiArrayType" and i.type.multiArrayType.WhichOneof(
                                    "ShapeFlexibility") == "enumeratedShapes"]
@@ -108,6 +117,7 @@ def check_package(path: Path, *, kind: str, weights: WeightFormat, max_t: int = 
     extra = sorted(set(facts.ops) - allowed)
     if extra:
         problems.append(f"ops outside the compiler's set: {', '.join(extra)}")
+    problems += dtype_problems(facts)
 
     for conv, dtype, data_shape, scale_shape in facts.conv_weights:
         problem = _weight_problem(weights, dtype, data_shape, scale_shape)
@@ -119,6 +129,23 @@ def check_package(path: Path, *, kind: str, weights: WeightFormat, max_t: int = 
     if problems:
         raise BuildError(f"static checks failed for {path.name}:\n  - " + "\n  - ".join(problems))
     return facts
+
+
+def dtype_problems(facts: PackageFacts) -> list[str]:
+    """Every value typed wider than fp16 (or otherwise outside ALLOWED_DTYPES), by name: op
+    outputs, including consts, and the model's inputs and outputs."""
+    problems = []
+    by_dtype: dict[str, list[str]] = {}
+    for name, dtype in facts.output_dtypes.items():
+        if dtype not in ALLOWED_DTYPES:
+            by_dtype.setdefault(dtype, []).append(name)
+    for dtype, names in sorted(by_dtype.items()):
+        problems.append(f"{len(names)} op output(s) typed {dtype} (e.g. '{names[0]}'): every op "
+                        "must be fp16 for the Neural Engine")
+    for name, dtype in facts.io_dtypes.items():
+        if dtype not in ALLOWED_DTYPES:
+            problems.append(f"model input/output '{name}' is {dtype}, must be fp16 (or int32)")
+    return problems
 
 
 def _weight_problem(fmt: WeightFormat, dtype: str, data: list[int],
@@ -158,4 +185,5 @@ def _array_dtype(code: int) -> str:
     from coremltools.proto import FeatureTypes_pb2 as ft
 
     return {ft.ArrayFeatureType.FLOAT16: "fp16", ft.ArrayFeatureType.FLOAT32: "fp32",
-            ft.ArrayFeatureType.INT32: "int32"}.get(code, str(code))
+            ft.ArrayFeatureType.DOUBLE: "fp64", ft.ArrayFeatureType.INT32: "int32"
+            }.get(code, str(code))

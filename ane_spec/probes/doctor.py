@@ -1,0 +1,478 @@
+"""`ane-spec doctor`: one command that checks, on the machine it runs on, every assumption the
+Core ML path makes, and says for each check `passed`, `failed` or `skipped` with a reason.
+
+Checks are small functions listed in `CHECKS` with their names, run in order; each takes the
+shared `DoctorRun` and returns a `Verdict` (or raises `Skip`). Adding a check is one function and
+one line in that list. A check that needs
+Core ML is skipped with Core ML's own one-line reason where it cannot run (Linux, macOS < 15); one
+that needs a build is skipped without `--manifest`. With a manifest, the model checks run on
+Core ML (`CPU_AND_NE`) where it runs, and on the fp16 MIL interpreter elsewhere.
+
+Order matters on a Mac: Core ML JIT-specialises a program once per process and input shape on
+its first prediction, so `cold-jit` must be the first check that predicts with the build's
+shards; the residency check before it compiles and plans but never predicts.
+"""
+
+from __future__ import annotations
+
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+from ane_spec.errors import AneSpecError
+from ane_spec.manifests.store import LoadedManifest, load_manifest
+from ane_spec.probes.report import GateReport
+from ane_spec.runtime.backend import (
+    RESHAPE_FREQUENCY_FOR_DECODE_SHAPE,
+    BackendUnavailable,
+    make_backend,
+)
+
+Status = Literal["passed", "failed", "skipped"]
+ANE_PROCESS_LIMIT_GB = 3.0  # seed log: a second shard set failed with error -14 at about 3 GB
+WARM_REPEATS = 5
+# CPU_AND_NE must beat CPU_ONLY by this much at T=4 for the ANE to count as used (ane-book: a T=4
+# pass costs about a T=1 pass on the ANE, several times more on the CPU).
+MIN_ANE_SPEEDUP = 1.2
+
+
+@dataclass
+class Verdict:
+    status: Status
+    summary: str                       # one line: the figures, or why it failed or was skipped
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Check:
+    name: str
+    status: Status
+    summary: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class Skip(Exception):
+    """Raised inside a check: it cannot run here, for the reason given."""
+
+
+@dataclass
+class DoctorRun:
+    """What the checks share: the build (if any), where scratch packages go, loaded pipelines."""
+
+    manifest: str | Path | None
+    work: Path
+    decode_shape: str = "fixed"
+    gguf: str | None = None
+    progress: Callable[[str], None] = lambda msg: None
+    pipelines: dict[str, Any] = field(default_factory=dict)
+    measurements: dict[str, Any] = field(default_factory=dict)
+    synthetic_packages: dict[str, tuple] = field(default_factory=dict)
+
+    @property
+    def reshape_frequency(self) -> str:
+        return RESHAPE_FREQUENCY_FOR_DECODE_SHAPE[self.decode_shape]
+
+    @cached_property
+    def coreml_problem(self) -> str | None:
+        """Why Core ML cannot run here (one line), or None."""
+        from ane_spec.runtime.coreml_backend import require_macos
+
+        try:
+            require_macos("this check")
+        except BackendUnavailable as exc:
+            return str(exc)
+        return None
+
+    def need_coreml(self) -> None:
+        if self.coreml_problem:
+            raise Skip(self.coreml_problem)
+
+    @cached_property
+    def loaded(self) -> LoadedManifest:
+        if self.manifest is None:
+            raise Skip("needs --manifest (a build)")
+        return load_manifest(self.manifest, verify=False)  # run_doctor verified it once
+
+    def need_build_on_coreml(self) -> None:
+        self.loaded  # noqa: B018 (raises Skip without a build)
+        self.need_coreml()
+
+    def packages(self) -> list[tuple[str, Path, str]]:
+        """(label, path, sha256) of every package of the build, shards then head."""
+        m = self.loaded.manifest
+        entries = [(f"shard {s.layers[0]}-{s.layers[1] - 1}", s) for s in m.shards]
+        entries.append(("head", m.head))
+        return [(label, self.loaded.path(e.file), e.file.sha256) for label, e in entries]
+
+    def synthetic(self, dims: str):
+        """(package, config, max_seq) of seeds/003's one-layer probe at `dims`, built once."""
+        from ane_spec.probes.synthetic import build_synthetic_t4
+
+        if dims not in self.synthetic_packages:
+            self.progress(f"building the synthetic-t4 {dims} package")
+            self.synthetic_packages[dims] = build_synthetic_t4(dims, self.work)
+        return self.synthetic_packages[dims]
+
+    def pipeline(self, units: str = "CPU_AND_NE"):
+        """The build on Core ML with `units` where Core ML runs, else on the fp16 interpreter."""
+        from ane_spec.runtime.pipeline import ShardPipeline
+
+        loaded = self.loaded
+        key = "mil-fp16" if self.coreml_problem else units
+        if key not in self.pipelines:
+            backend = (make_backend("mil", precision="fp16", decode_shape=self.decode_shape)
+                       if self.coreml_problem else
+                       make_backend("coreml", compute_units=units, decode_shape=self.decode_shape))
+            self.progress(f"loading the build on {backend.describe()}")
+            self.pipelines[key] = ShardPipeline(loaded, backend, self.decode_shape)
+        return self.pipelines[key]
+
+
+# --- environment ---------------------------------------------------------------------------
+
+def check_environment(run: DoctorRun) -> Verdict:
+    import coremltools
+
+    from ane_spec import __version__
+    from ane_spec.runtime.compiled_cache import compiled_dir
+
+    facts = {"os": _os_description(), "chip": _chip(), "python": platform.python_version(),
+             "coremltools": coremltools.__version__, "ane_spec": __version__,
+             "core_ml": run.coreml_problem or "available",
+             "decode_shape": run.decode_shape, "reshape_frequency": run.reshape_frequency,
+             "compiled_cache": str(compiled_dir())}
+    summary = (f"{facts['os']}, {facts['chip']}, Python {facts['python']}, coremltools "
+               f"{facts['coremltools']}; decode shape {run.decode_shape} -> reshapeFrequency "
+               f"{run.reshape_frequency}")
+    return Verdict("passed", summary, facts)
+
+
+def check_neural_engine(run: DoctorRun) -> Verdict:
+    run.need_coreml()
+    from coremltools.models.compute_device import MLComputeDevice, MLNeuralEngineComputeDevice
+
+    devices = MLComputeDevice.get_all_compute_devices()
+    engines = [d for d in devices if isinstance(d, MLNeuralEngineComputeDevice)]
+    names = [type(d).__name__ for d in devices]
+    if not engines:
+        return Verdict("failed", f"no Neural Engine among {names}",
+                     {"devices": names})
+    cores = engines[0].total_core_count
+    return Verdict("passed", f"Neural Engine with {cores} cores",
+                 {"devices": names, "ane_cores": cores})
+
+
+# --- static checks (anywhere) ------------------------------------------------------------------
+
+def check_fp16_only(run: DoctorRun) -> Verdict:
+    """Every value in every program fp16 (int32 for indices), no casts, no identity ops."""
+    from ane_spec.shards.static_checks import dtype_problems, read_package_facts
+
+    problems = {}
+    packages = _packages_or_synthetic(run)
+    for label, path, _ in packages:
+        facts = read_package_facts(path)
+        found = dtype_problems(facts)
+        extra = sorted({"cast", "identity"} & set(facts.ops))
+        if extra:
+            found.append(f"{', '.join(extra)} op(s)")
+        if found:
+            problems[label] = found
+    if problems:
+        first = next(iter(problems.items()))
+        return Verdict("failed", f"{len(problems)} package(s) not fp16-only, e.g. "
+                     f"{first[0]}: {first[1][0]}", {"problems": problems})
+    return Verdict("passed", f"{len(packages)} package(s): every op fp16, no cast, "
+                 "no identity", {"packages": [label for label, _, _ in packages]})
+
+
+def check_ane_lint(run: DoctorRun) -> Verdict:
+    from ane_spec.probes.residency import ane_lint
+
+    packages = _packages_or_synthetic(run)
+    warnings = [{"package": label, "code": w.code, "message": w.message}
+                for label, path, _ in packages for w in ane_lint(path)]
+    if warnings:
+        codes = sorted({w["code"] for w in warnings})
+        return Verdict("failed", f"{len(warnings)} pattern(s) known to leave the ANE: "
+                     f"{', '.join(codes)}", {"warnings": warnings})
+    return Verdict("passed", f"{len(packages)} package(s), no pattern known to leave "
+                 "the ANE (a clean lint is not residency)", {})
+
+
+# --- synthetic probes ----------------------------------------------------------------------------
+
+def check_synthetic_tiny(run: DoctorRun) -> Verdict:
+    """seeds/003's probe at tiny dims on the fp16 interpreter: the op pattern's numerics."""
+    from ane_spec.probes.synthetic import probe_block
+
+    path, config, max_seq = run.synthetic("tiny")
+    backend = make_backend("mil", precision="fp16")
+    report = probe_block(path, config, max_seq, "BCT1", backend, "synthetic-t4-tiny")
+    return _from_gate(report)
+
+
+def synthetic_on_coreml(dims: str) -> Callable[[DoctorRun], Verdict]:
+    """seeds/003's probe at `dims` on Core ML: residency, and T=4 against four T=1 calls."""
+    def check(run: DoctorRun) -> Verdict:
+        if run.coreml_problem:
+            raise Skip(f"{run.coreml_problem} (a Core ML check: the interpreter would take "
+                       f"minutes at {dims} dims)")
+        from ane_spec.probes.residency import residency_report
+        from ane_spec.probes.synthetic import probe_block
+
+        path, config, max_seq = run.synthetic(dims)
+        backend = make_backend("coreml", decode_shape=run.decode_shape)
+        block = probe_block(path, config, max_seq, "BCT1", backend, f"synthetic-t4-{dims}")
+        residency = residency_report(path)
+        passed = block.passed and residency.passed
+        summary = (f"residency {_residency_line(residency)}; T=4 vs 4 x T=1 min cosine "
+                   f"{block.figures['min_cosine']:.6f}")
+        return Verdict("passed" if passed else "failed", summary,
+                     {"block": block.to_dict(), "residency": residency.to_dict()})
+    return check
+
+
+# --- the build on Core ML -----------------------------------------------------------------
+
+def check_residency(run: DoctorRun) -> Verdict:
+    run.need_build_on_coreml()
+    from ane_spec.probes.residency import residency_report
+
+    per_package = {}
+    for label, path, sha in run.packages():
+        run.progress(f"compute plan of {label}")
+        per_package[label] = residency_report(path, "CPU_AND_NE", sha256=sha)
+    failed = [label for label, r in per_package.items() if not r.passed]
+    summary = "; ".join(f"{label}: {_residency_line(r)}" for label, r in per_package.items())
+    return Verdict("failed" if failed else "passed", summary,
+                 {label: r.to_dict() for label, r in per_package.items()})
+
+
+def check_cold_jit(run: DoctorRun) -> Verdict:
+    """Seconds of the first prediction of each package at T=4 (and T=1 in the mixed shape): Core
+    ML specialises a program once per process and input shape, before its first result."""
+    run.need_build_on_coreml()
+    import numpy as np
+
+    t0 = time.perf_counter()
+    pipeline = run.pipeline("CPU_AND_NE")
+    load_s = time.perf_counter() - t0
+    widths = (4, 1) if run.decode_shape == "mixed" else (4,)
+    labels = [label for label, _, _ in run.packages()]
+    first: dict[str, dict[str, float]] = {label: {} for label in labels}
+    for width in widths:
+        state = pipeline.new_state()
+        inputs = pipeline.host.block(0, width)
+        hidden = pipeline.to_hidden(np.zeros((width, pipeline.config.hidden_size)))
+        for n, label in enumerate(labels):
+            run.progress(f"first T={width} prediction of {label}")
+            t = time.perf_counter()
+            if label == "head":
+                pipeline.head.predict({"x": hidden})
+            else:
+                hidden = pipeline.run_shards(hidden, inputs, state, range(n, n + 1))
+            first[label][f"T={width}"] = round(time.perf_counter() - t, 2)
+    total = sum(v for times in first.values() for v in times.values())
+    per_package = ", ".join(f"{label} " + "/".join(f"{k} {v:.1f}s" for k, v in times.items())
+                            for label, times in first.items())
+    return Verdict("passed", f"load {load_s:.1f}s; first predictions {total:.1f}s in all: "
+                   f"{per_package}", {"backend": pipeline.backend.describe(),
+                                      "load_s": round(load_s, 3), "first_prediction_s": first})
+
+
+def check_warm_latency(run: DoctorRun) -> Verdict:
+    """Median backend time of a whole pass (shards + head) at T=1 and T=4 on CPU_AND_NE, warm."""
+    run.need_build_on_coreml()
+    pipeline = run.pipeline("CPU_AND_NE")
+    figures = {f"t{w}_ms": _median_pass_ms(pipeline, w) for w in (1, 4)}
+    run.measurements["CPU_AND_NE"] = figures
+    return Verdict("passed", f"CPU_AND_NE: T=1 {figures['t1_ms']:.1f} ms, T=4 "
+                   f"{figures['t4_ms']:.1f} ms per pass",
+                   figures | {"backend": pipeline.backend.describe()})
+
+
+def check_ane_vs_cpu(run: DoctorRun) -> Verdict:
+    """The same passes under CPU_ONLY: the compute plan cannot see runtime choices (such as the
+    reshape hint), so the clock is the cross-check that the Neural Engine is really used. Last,
+    because a CPU_ONLY copy of the build adds to the process's memory."""
+    run.need_build_on_coreml()
+    ane = run.measurements.get("CPU_AND_NE")
+    if ane is None:
+        raise Skip("no CPU_AND_NE latency to compare with (warm-latency did not run)")
+    cpu = {f"t{w}_ms": _median_pass_ms(run.pipeline("CPU_ONLY"), w) for w in (1, 4)}
+    run.pipelines.pop("CPU_ONLY")
+    speedup = cpu["t4_ms"] / ane["t4_ms"]
+    summary = (f"CPU_ONLY: T=1 {cpu['t1_ms']:.1f} ms, T=4 {cpu['t4_ms']:.1f} ms per pass; "
+               f"CPU_AND_NE is {speedup:.2f}x faster at T=4")
+    if speedup >= MIN_ANE_SPEEDUP:
+        return Verdict("passed", summary, {"CPU_ONLY": cpu, "ane_speedup_t4": speedup})
+    return Verdict("failed", summary + f" (< {MIN_ANE_SPEEDUP}x: the Neural Engine may not be in "
+                   "use; a tiny test model can also simply be faster on the CPU)",
+                   {"CPU_ONLY": cpu, "ane_speedup_t4": speedup})
+
+
+def _median_pass_ms(pipeline, width: int) -> float:
+    state = pipeline.new_state()
+    times = []
+    for i in range(WARM_REPEATS + 1):  # the first call may still specialise: not counted
+        out = pipeline.run([1], i, state, width=width)
+        times.append(out.backend_seconds)
+    return round(1000 * statistics.median(times[1:]), 3)
+
+
+# --- model checks: Core ML where it runs, the fp16 interpreter elsewhere --------------------
+
+def check_row_invariance(run: DoctorRun) -> Verdict:
+    from ane_spec.probes.row_invariance import run_row_invariance
+
+    return _from_gate(run_row_invariance(run.pipeline()))
+
+
+def check_block(run: DoctorRun) -> Verdict:
+    from ane_spec.probes.block import run_block
+
+    return _from_gate(run_block(run.pipeline()))
+
+
+def check_drift(run: DoctorRun) -> Verdict:
+    from ane_spec.probes.drift import measure_drift
+
+    return _from_gate(measure_drift(run.pipeline()), run.decode_shape)
+
+
+def check_parity(run: DoctorRun) -> Verdict:
+    import importlib.util
+
+    from ane_spec.probes.gates import gate_parity
+
+    source = Path(run.gguf or run.loaded.manifest.source.path)
+    if not source.is_file():
+        raise Skip(f"needs the source GGUF ({source} is not there; pass --gguf PATH)")
+    if importlib.util.find_spec("torch") is None:
+        raise Skip("needs torch for the reference forward pass: pip install 'ane-spec[reference]'")
+    return _from_gate(gate_parity(run.loaded, run.pipeline(), run.gguf), run.decode_shape)
+
+
+def check_peak_memory(run: DoctorRun) -> Verdict:
+    """Peak resident memory of this process, which by now has loaded and run the build on
+    Core ML, against the ~3 GB per-process ANE limit the seed log hit."""
+    run.need_build_on_coreml()
+    if "CPU_AND_NE" not in run.pipelines:
+        raise Skip("the build was not loaded on Core ML (an earlier check failed)")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    gb = peak / 1e9 if sys.platform == "darwin" else peak * 1024 / 1e9  # bytes vs KiB
+    status: Status = "passed" if gb < ANE_PROCESS_LIMIT_GB else "failed"
+    return Verdict(status, f"peak RSS {gb:.2f} GB (per-process ANE limit seen "
+                 f"at ~{ANE_PROCESS_LIMIT_GB:.0f} GB)", {"peak_rss_gb": round(gb, 3)})
+
+
+CheckFn = Callable[[DoctorRun], Verdict]
+
+CHECKS: list[tuple[str, CheckFn]] = [
+    ("environment", check_environment),
+    ("neural-engine", check_neural_engine),
+    ("fp16-only", check_fp16_only),
+    ("ane-lint", check_ane_lint),
+    ("synthetic-t4 tiny (interpreter fp16)", check_synthetic_tiny),
+    ("synthetic-t4 d1024 (Core ML)", synthetic_on_coreml("d1024")),
+    ("synthetic-t4 phi (Core ML)", synthetic_on_coreml("phi")),
+    ("residency", check_residency),
+    ("cold-jit", check_cold_jit),  # the first predictions with the build's shards: keep first
+    ("warm-latency", check_warm_latency),
+    ("row-invariance", check_row_invariance),
+    ("block", check_block),
+    ("drift", check_drift),
+    ("parity", check_parity),
+    ("peak-memory", check_peak_memory),
+    ("ane-vs-cpu", check_ane_vs_cpu),  # loads a CPU_ONLY copy: after peak-memory
+]
+
+
+def run_doctor(manifest: str | Path | None = None, *, decode_shape: str = "fixed",
+               gguf: str | None = None, progress: Callable[[str], None] = lambda msg: None,
+               checks: list[tuple[str, CheckFn]] | None = None) -> list[Check]:
+    if decode_shape not in RESHAPE_FREQUENCY_FOR_DECODE_SHAPE:
+        raise AneSpecError(f"unknown decode shape '{decode_shape}' (choose fixed or mixed)")
+    if manifest is not None:
+        load_manifest(manifest, verify=True)  # a bad build is one clear error, not 10 failures
+    results = []
+    with tempfile.TemporaryDirectory(prefix="ane-spec-doctor-") as work:
+        run = DoctorRun(manifest, Path(work), decode_shape, gguf, progress)
+        for name, check in checks or CHECKS:
+            progress(f"{name} ...")
+            verdict = _run_one(check, run)
+            results.append(Check(name, verdict.status, verdict.summary, verdict.details))
+    return results
+
+
+def _run_one(check: CheckFn, run: DoctorRun) -> Verdict:
+    try:
+        return check(run)
+    except Skip as why:
+        return Verdict("skipped", str(why))
+    except BackendUnavailable as exc:
+        return Verdict("skipped", str(exc))
+    except Exception as exc:  # one broken check must not hide the others' results
+        return Verdict("failed", f"error: {type(exc).__name__}: {exc}".splitlines()[0])
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+def _packages_or_synthetic(run: DoctorRun) -> list[tuple[str, Path, str]]:
+    """The build's packages, or without a build the d1024 synthetic-t4 layer package (the tiny
+    one's 16-wide heads are below the ANE's 32-multiple state rule on purpose: it is a numerics
+    probe)."""
+    if run.manifest is not None:
+        return run.packages()
+    path, _, _ = run.synthetic("d1024")
+    return [("synthetic-t4 d1024", path, "")]
+
+
+def _from_gate(report: GateReport, decode_shape: str | None = None) -> Verdict:
+    if report.skipped:
+        return Verdict("skipped", report.skipped, report.to_dict())
+    where = "/".join(p for p in (report.backend, report.precision, decode_shape) if p)
+    figures = ", ".join(f"{k} {_fmt(v)}" for k, v in report.figures.items()
+                        if not isinstance(v, (list, dict)) and k != "verdict")
+    return Verdict("passed" if report.passed else "failed", f"[{where}] {figures}",
+                 report.to_dict())
+
+
+def _residency_line(r) -> str:
+    unplanned = sum(r.unplanned.values())
+    return (f"{r.compute_total - r.compute_non_ane}/{r.compute_total} planned ops on the ANE, "
+            f"convs off the ANE {r.conv_non_ane}/{r.conv_total}, unplanned {unplanned}")
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def _os_description() -> str:
+    if sys.platform == "darwin":
+        version = platform.mac_ver()[0]
+        return f"macOS {version} ({platform.machine()})"
+    return f"{platform.system()} {platform.release()} ({platform.machine()})"
+
+
+def _chip() -> str:
+    try:
+        if sys.platform == "darwin":
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,
+                                  text=True, timeout=5).stdout.strip() or platform.machine()
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return platform.processor() or platform.machine()

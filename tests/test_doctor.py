@@ -1,0 +1,130 @@
+"""`ane-spec doctor`: every check says passed, failed or skipped with a reason; here (no Core ML)
+the interpreter and static checks run for real and the Core ML ones are skipped."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from ane_spec.cli import main
+from ane_spec.probes import doctor
+from ane_spec.probes.doctor import CHECKS, Verdict, run_doctor
+from ane_spec.probes.doctor_report import to_markdown
+from ane_spec.shards.build import BuildRequest, build
+
+ON_MAC = sys.platform == "darwin"
+CORE_ML_PROBES = {"neural-engine", "synthetic-t4 d1024 (Core ML)", "synthetic-t4 phi (Core ML)"}
+CORE_ML_BUILD = {"residency", "cold-jit", "warm-latency", "peak-memory", "ane-vs-cpu"}
+CORE_ML_ONLY = CORE_ML_PROBES | CORE_ML_BUILD
+MODEL_CHECKS = {"row-invariance", "block", "drift", "parity"}
+
+
+@pytest.fixture(scope="module")
+def build_dir(tiny_gguf_conditioned: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("doctor") / "art"
+    build(tiny_gguf_conditioned, out, BuildRequest(topology="3", max_seq=64))
+    return out
+
+
+def by_name(checks) -> dict:
+    return {c.name: c for c in checks}
+
+
+@pytest.mark.skipif(ON_MAC, reason="what is skipped off macOS")
+def test_without_a_build_runs_what_runs_here() -> None:
+    checks = by_name(run_doctor())
+    assert list(checks) == [name for name, _ in CHECKS]
+    for name in ("environment", "fp16-only", "ane-lint", "synthetic-t4 tiny (interpreter fp16)"):
+        assert checks[name].status == "passed", checks[name]
+    env = checks["environment"].details
+    assert env["decode_shape"] == "fixed" and env["reshape_frequency"] == "Infrequent"
+    assert env["core_ml"].startswith("unavailable: needs macOS 15 (this is linux)")
+    assert "1 package(s)" in checks["fp16-only"].summary  # the d1024 probe package, built here
+    for name in CORE_ML_PROBES:
+        assert checks[name].status == "skipped"
+        assert checks[name].summary.startswith("unavailable: needs macOS 15 (this is linux)")
+    assert "a Core ML check" in checks["synthetic-t4 phi (Core ML)"].summary
+    for name in MODEL_CHECKS | CORE_ML_BUILD:
+        assert checks[name].status == "skipped" and checks[name].summary == (
+            "needs --manifest (a build)")
+
+
+@pytest.mark.skipif(ON_MAC, reason="what is skipped off macOS")
+def test_with_a_build_json_and_markdown(build_dir: Path, tmp_path: Path, capsys) -> None:
+    report = tmp_path / "REPORT.md"
+    code = main(["doctor", "--manifest", str(build_dir), "--json", "--out", str(report),
+                 "--decode-shape", "mixed"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    checks = {c["name"]: c for c in out["checks"]}
+    assert [c["name"] for c in out["checks"]] == [name for name, _ in CHECKS]
+    assert all(c["status"] in ("passed", "failed", "skipped") and c["summary"]
+               for c in out["checks"])
+    assert out["environment"]["reshape_frequency"] == "Frequent"  # the mixed decode shape
+    for name in MODEL_CHECKS | {"fp16-only", "ane-lint"}:
+        assert checks[name]["status"] == "passed", checks[name]
+    assert checks["fp16-only"]["summary"].startswith("2 package(s)")
+    assert checks["row-invariance"]["details"]["backend"] == "mil"
+    assert checks["drift"]["summary"].startswith("[mil/fp16/mixed]")
+    assert checks["parity"]["details"]["min_cosine"] >= 0.999
+    for name in CORE_ML_ONLY:
+        assert checks[name]["status"] == "skipped"
+        assert checks[name]["summary"].startswith("unavailable: needs macOS 15"), checks[name]
+    assert out["counts"] == {"passed": 8, "failed": 0, "skipped": 8}
+
+    markdown = report.read_text()
+    assert markdown.startswith("## ane-spec doctor") and "| parity | passed |" in markdown
+    assert len(markdown.splitlines()) < 30 and len(markdown) < 4000  # pastes into an issue
+
+
+def test_a_failing_check_fails_the_command(tiny_gguf_conditioned: Path, tmp_path: Path,
+                                           capsys) -> None:
+    """q8-block weights carry per-block scales, a pattern known to leave the ANE."""
+    out = tmp_path / "q8"
+    build(tiny_gguf_conditioned, out, BuildRequest(topology="3", max_seq=64, weights="q8-block"))
+    only = [c for c in CHECKS if c[0] in ("fp16-only", "ane-lint")]
+    checks = by_name(run_doctor(out, checks=only))
+    assert checks["fp16-only"].status == "passed"
+    lint = checks["ane-lint"]
+    assert lint.status == "failed" and "per-block-scales" in lint.summary
+    assert to_markdown(list(checks.values()), str(out)).count("| failed |") == 1
+
+
+def test_a_crashing_check_is_a_failure_and_the_rest_still_run() -> None:
+    def boom(run) -> Verdict:
+        raise RuntimeError("kaput\nsecond line")
+
+    checks = run_doctor(checks=[("boom", boom), ("environment", doctor.check_environment)])
+    assert [(c.name, c.status) for c in checks] == [("boom", "failed"), ("environment", "passed")]
+    assert checks[0].summary == "error: RuntimeError: kaput"
+
+
+def test_an_old_mac_is_skipped_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import coremltools.models.utils as ct_utils
+
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setattr(ct_utils, "_macos_version", lambda: (14, 6))
+    only = [c for c in CHECKS if c[0] in ("neural-engine", "synthetic-t4 d1024 (Core ML)")]
+    checks = run_doctor(checks=only)
+    assert [c.status for c in checks] == ["skipped", "skipped"]
+    assert checks[0].summary == ("unavailable: needs macOS 15 (this is macOS 14.6): this check "
+                                 "needs Core ML")
+
+
+def test_bad_arguments_are_clear_errors(tmp_path: Path, capsys) -> None:
+    assert main(["doctor", "--manifest", str(tmp_path)]) == 2
+    assert "no manifest here" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not ON_MAC, reason="the Core ML checks need macOS 15 and a Neural Engine")
+def test_on_a_mac_every_core_ml_check_runs(build_dir: Path) -> None:
+    checks = by_name(run_doctor(build_dir))
+    assert checks["environment"].details["core_ml"] == "available"
+    for name in CORE_ML_ONLY | MODEL_CHECKS:
+        assert not checks[name].summary.startswith("error:"), checks[name]
+        assert checks[name].status != "skipped" or name == "parity", checks[name]
+    assert "first predictions" in checks["cold-jit"].summary
+    assert set(checks["residency"].details) == {"shard 0-2", "head"}

@@ -1,0 +1,140 @@
+"""fp16-only programs: the build refuses an fp32 value, the fp16 interpreter rounds the attention
+softmax where the program does, and the mask cannot make that softmax produce inf or NaN."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import coremltools as ct
+import numpy as np
+import pytest
+from coremltools.converters.mil import Builder as mb
+from coremltools.converters.mil.mil import types
+
+from ane_spec.errors import BuildError
+from ane_spec.model.rope import make_rope_spec
+from ane_spec.runtime.host_inputs import MASK_VALUE, HostInputs
+from ane_spec.runtime.mil_interpreter import MILInterpreter
+from ane_spec.shards.build import BuildRequest, build
+from ane_spec.shards.layer_graph import GraphVariant, stable_softmax
+from ane_spec.shards.programs import save_package
+from ane_spec.shards.static_checks import dtype_problems, read_package_facts
+
+S = 64
+IOS18 = ct.target.iOS18
+
+
+def test_a_planted_fp32_softmax_fails_the_build(tiny_gguf: Path, tmp_path: Path) -> None:
+    """The island this compiler once shipped (cast to fp32, softmax, cast back), built by the real
+    builder and saved by the real save path, is refused, and nothing is left behind."""
+    out = tmp_path / "art"
+    with pytest.raises(BuildError, match=r"op output\(s\) typed fp32.*Neural Engine"):
+        build(tiny_gguf, out, BuildRequest(topology="3", max_seq=S),
+              variant=GraphVariant(fp32_softmax=True))
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_dtype_check_names_every_fp32_value(tmp_path: Path) -> None:
+    """A program whose only defect is one fp32 value: the dtype check alone catches it."""
+    @mb.program(input_specs=[mb.TensorSpec((1, 8, 4), dtype=types.fp16)], opset_version=IOS18)
+    def prog(x):
+        wide = mb.cast(x=x, dtype="fp32", name="widened")
+        return mb.cast(x=mb.mul(x=wide, y=np.float32(2.0), name="in_fp32"), dtype="fp16",
+                       name="out")
+
+    path = tmp_path / "p.mlpackage"
+    save_package(prog, path)
+    facts = read_package_facts(path)
+    assert facts.output_dtypes["widened"] == facts.output_dtypes["in_fp32"] == "fp32"
+    problems = dtype_problems(facts)
+    assert len(problems) == 1 and problems[0].startswith("3 op output(s) typed fp32")
+
+    @mb.program(input_specs=[mb.TensorSpec((1, 8, 4), dtype=types.fp16)], opset_version=IOS18)
+    def clean(x):
+        return mb.mul(x=x, y=np.float16(2.0), name="out")
+
+    save_package(clean, tmp_path / "clean.mlpackage")
+    assert dtype_problems(read_package_facts(tmp_path / "clean.mlpackage")) == []
+
+
+def _softmax_program(shape: tuple[int, ...]):
+    @mb.program(input_specs=[mb.TensorSpec(shape, dtype=types.fp16)], opset_version=IOS18)
+    def prog(scores):
+        return stable_softmax(scores)
+
+    return prog
+
+
+def _fp16_each_op(scores: np.ndarray) -> np.ndarray:
+    """The softmax an fp16 device computes when each of the five ops rounds its result to fp16
+    (each op itself evaluated in float32, as the interpreter does)."""
+    f16, f32 = np.float16, np.float32
+    peak = scores.max(axis=-1, keepdims=True)
+    shifted = (scores.astype(f32) - peak.astype(f32)).astype(f16)
+    terms = np.exp(shifted.astype(f32)).astype(f16)
+    total = terms.astype(f32).sum(axis=-1, keepdims=True).astype(f16)
+    return (terms.astype(f32) / total.astype(f32)).astype(f16)
+
+
+def test_fp16_interpreter_rounds_after_each_softmax_op(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    scores = (rng.standard_normal((1, 4, 4, S)) * 3).astype(np.float16)
+    scores[..., 40:] = np.float16(MASK_VALUE)  # slots beyond the rows' positions
+    path = tmp_path / "softmax.mlpackage"
+    save_package(_softmax_program(scores.shape), path)
+    assert set(read_package_facts(path).ops) - {"const"} == {
+        "reduce_max", "sub", "exp", "reduce_sum", "real_div"}
+
+    got = MILInterpreter.from_package(path, precision="fp16").predict({"scores": scores})
+    probs = next(iter(got.values()))
+    assert probs.dtype == np.float16
+    np.testing.assert_array_equal(probs, _fp16_each_op(scores))
+    # The test can tell: one rounding at the end (a fused fp32 softmax) gives other bits.
+    s64 = scores.astype(np.float64)
+    e = np.exp(s64 - s64.max(axis=-1, keepdims=True))
+    fused = (e / e.sum(axis=-1, keepdims=True)).astype(np.float16)
+    assert (fused != probs).sum() > 50
+    # fp32 mode computes the plain math.
+    ideal = MILInterpreter.from_package(path, precision="fp32").predict({"scores": scores})
+    np.testing.assert_allclose(next(iter(ideal.values())), e / e.sum(-1, keepdims=True),
+                               rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+def test_masked_softmax_stays_finite(precision: str) -> None:
+    """Scores as large as fp16 allows, plus the mask value, including a row with every slot masked
+    (the host never sends one: see the next test). No inf, no NaN; masked slots get exactly 0."""
+    f16max = float(np.finfo(np.float16).max)
+    rows = np.zeros((4, S), np.float32)
+    rows[0] = np.linspace(-30000, 30000, S)            # huge spread, nothing masked
+    rows[1, :10] = 50.0                                 # ten visible slots ...
+    rows[1, 10:] = MASK_VALUE                           # ... the rest masked
+    rows[2] = MASK_VALUE                                # every slot masked
+    rows[3, :3] = [f16max / 2, -f16max / 2, 0.0]        # extremes next to the mask
+    rows[3, 3:] = MASK_VALUE + 100.0
+    scores = rows.astype(np.float16).reshape(1, 1, 4, S)
+    assert np.isfinite(scores).all()
+    interp = MILInterpreter.from_program(_softmax_program(scores.shape), precision=precision)
+    with np.errstate(all="raise"):
+        probs = next(iter(interp.predict({"scores": scores}).values())).astype(np.float64)[0, 0]
+    assert np.isfinite(probs).all()
+    np.testing.assert_allclose(probs.sum(axis=-1), 1.0, atol=2e-3)  # fp16 rounding of S terms
+    assert (probs[1, 10:] == 0).all() and (probs[3, 3:] == 0).all()
+    assert probs[0, -1] == 1.0 and probs[3, 0] == 1.0
+    np.testing.assert_allclose(probs[2], 1 / S, rtol=1e-3)  # uniform, not NaN
+
+
+@pytest.mark.parametrize("max_seq", [32, 64])
+def test_host_masks_never_hide_every_slot_of_a_row(max_seq: int) -> None:
+    """Each row, real or padding, sees at least its own position's slot, so no attention row is
+    fully masked: the softmax's largest term is a real score, not the mask value."""
+    rope = make_rope_spec(rope_dims=12, freq_base=10000.0, attn_factor=1.0,
+                          original_context_length=4096, context_window=max_seq,
+                          short_factors=np.ones(6), long_factors=np.ones(6))
+    host = HostInputs(rope, max_seq)
+    for position in range(max_seq):
+        for t in range(1, min(4, max_seq - position) + 1):
+            for width in range(t, 5):
+                mask = host.block(position, t, width)["attn_mask"][0, 0]
+                assert (mask == 0).any(axis=-1).all(), (position, t, width)
+                assert set(np.unique(mask).tolist()) <= {0.0, float(np.float16(MASK_VALUE))}
