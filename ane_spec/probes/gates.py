@@ -14,8 +14,8 @@ from ane_spec.probes.drift import measure_drift
 from ane_spec.probes.parity import run_parity
 from ane_spec.probes.report import GateReport, save_report
 from ane_spec.probes.row_invariance import run_row_invariance
-from ane_spec.runtime.backend import BackendName, Precision, make_backend
-from ane_spec.runtime.pipeline import DecodeShape, ShardPipeline
+from ane_spec.runtime.backend import BackendName, DecodeShape, Precision, make_backend
+from ane_spec.runtime.pipeline import ShardPipeline
 
 # Row invariance first: on new hardware it is the property everything exact rests on.
 GATES = ("row-invariance", "parity", "block", "drift", "residency")
@@ -25,8 +25,10 @@ def open_pipeline(manifest: str | os.PathLike[str], backend: BackendName, precis
                   *, verify: bool = True, decode_shape: DecodeShape = "fixed"
                   ) -> tuple[LoadedManifest, ShardPipeline]:
     loaded = load_manifest(manifest, verify=verify)
-    return loaded, ShardPipeline(loaded, make_backend(backend, precision=precision),
-                                 decode_shape)
+    # The decode shape picks Core ML's reshape hint as well as the pass width.
+    return loaded, ShardPipeline(
+        loaded, make_backend(backend, precision=precision, decode_shape=decode_shape),
+        decode_shape)
 
 
 def gate_parity(loaded: LoadedManifest, pipeline: ShardPipeline,
@@ -45,14 +47,16 @@ def gate_parity(loaded: LoadedManifest, pipeline: ShardPipeline,
     return run_parity(loaded, pipeline, open_gguf(source))
 
 
-def residency_or_lint(package: Path, compute_units: str = "CPU_AND_NE") -> GateReport:
-    """One package: MLComputePlan where Core ML runs; everywhere, the static lint (warnings)."""
+def residency_or_lint(package: Path, compute_units: str = "CPU_AND_NE",
+                      sha256: str | None = None) -> GateReport:
+    """One package: MLComputePlan where Core ML runs; everywhere, the static lint (warnings).
+    `sha256`: the package's hash from the manifest, the compiled-model cache's key."""
     from ane_spec.probes.residency import ane_lint, residency_report
     from ane_spec.runtime.backend import BackendUnavailable
 
     lint = [vars(w) | {"package": Path(w.package).name} for w in ane_lint(package)]
     try:
-        r = residency_report(package, compute_units)
+        r = residency_report(package, compute_units, sha256)
     except BackendUnavailable as exc:  # "unavailable: needs macOS 15 (this is ...): ..."
         return GateReport("residency", False, "coreml", None, {"lint_warnings": len(lint)},
                           {"compute_non_ane": 0}, {"lint": lint},
@@ -67,9 +71,8 @@ RESIDENCY_COUNTS = ("conv_total", "conv_non_ane", "compute_total", "compute_non_
 
 def gate_residency(loaded: LoadedManifest, compute_units: str = "CPU_AND_NE") -> GateReport:
     """Every package of a build; passes only at zero non-ANE ops across all of them."""
-    packages = [loaded.path(s.file) for s in loaded.manifest.shards]
-    packages.append(loaded.path(loaded.manifest.head.file))
-    parts = [residency_or_lint(p, compute_units) for p in packages]
+    files = [s.file for s in loaded.manifest.shards] + [loaded.manifest.head.file]
+    parts = [residency_or_lint(loaded.path(f), compute_units, f.sha256) for f in files]
     lint = [w for r in parts for w in r.details["lint"]]
     if any(r.skipped for r in parts):
         return GateReport("residency", False, "coreml", None, {"lint_warnings": len(lint)},

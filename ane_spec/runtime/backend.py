@@ -17,11 +17,15 @@ from ane_spec.errors import AneSpecError
 
 BackendName = Literal["mil", "coreml"]
 Precision = Literal["fp32", "fp16"]
+# How wide decoding passes are (see runtime/pipeline.py): fixed, every pass T=4; mixed, T=1 decode
+# and T=4 verify.
+DecodeShape = Literal["fixed", "mixed"]
+DECODE_SHAPES: tuple[DecodeShape, ...] = ("fixed", "mixed")
 # Core ML's reshapeFrequency hint, per decode shape: the fixed shape runs every pass at T=4, one
 # shape for the program's lifetime; the mixed shape alternates T=1 and T=4.
 ReshapeFrequency = Literal["Infrequent", "Frequent"]
 RESHAPE_FREQUENCIES: tuple[ReshapeFrequency, ...] = ("Infrequent", "Frequent")
-RESHAPE_FREQUENCY_FOR_DECODE_SHAPE: dict[str, ReshapeFrequency] = {
+RESHAPE_FREQUENCY_FOR_DECODE_SHAPE: dict[DecodeShape, ReshapeFrequency] = {
     "fixed": "Infrequent", "mixed": "Frequent"}
 
 
@@ -61,7 +65,7 @@ class Backend(Protocol):
 
 
 def make_backend(name: BackendName, *, precision: Precision = "fp32",
-                 compute_units: str = "CPU_AND_NE", decode_shape: str = "fixed") -> Backend:
+                 compute_units: str = "CPU_AND_NE", decode_shape: DecodeShape = "fixed") -> Backend:
     if decode_shape not in RESHAPE_FREQUENCY_FOR_DECODE_SHAPE:
         raise AneSpecError(f"unknown decode shape '{decode_shape}' (choose fixed or mixed)")
     if name == "mil":

@@ -18,17 +18,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from ane_spec.errors import AneSpecError
 from ane_spec.manifests.store import LoadedManifest
-from ane_spec.runtime.backend import Backend, LoadedProgram
+from ane_spec.runtime.backend import DECODE_SHAPES, Backend, DecodeShape, LoadedProgram
 from ane_spec.runtime.host_inputs import HostInputs
-
-DecodeShape = Literal["fixed", "mixed"]
-DECODE_SHAPES: tuple[DecodeShape, ...] = ("fixed", "mixed")
 
 
 @dataclass
@@ -148,8 +145,10 @@ class ShardPipeline:
         self.input_dtype = np.float32 if self.backend.precision == "fp32" else np.float16
         self.host = HostInputs(m.rope, self.max_seq, self.max_t, self.input_dtype)
         self.embeddings = Embeddings.load(self.loaded)
-        self.shards = [self.backend.load(self.loaded.path(s.file)) for s in m.shards]
-        self.head = self.backend.load(self.loaded.path(m.head.file))
+        # The manifest's hashes key Core ML's compiled-model cache (no re-hashing 2 GB shards).
+        self.shards = [self.backend.load(self.loaded.path(s.file), sha256=s.file.sha256)
+                       for s in m.shards]
+        self.head = self.backend.load(self.loaded.path(m.head.file), sha256=m.head.file.sha256)
 
     @property
     def drift_key(self) -> str:
