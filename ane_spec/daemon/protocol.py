@@ -3,7 +3,8 @@
 Only what the engine can honour is accepted. Parameters OpenAI defines but this server cannot
 implement (n > 1, logprobs, penalties, logit_bias, tools, echo, suffix, best_of) are refused with
 a 400 naming the parameter when set to anything but their neutral value, rather than ignored.
-Unknown fields are ignored, as clients send vendor extras.
+Unknown fields are ignored, as clients send vendor extras. Known fields are strict: `"stream":
+"yes"` or `"max_tokens": "10"` is a 400, not a guess (an integer is still a valid float).
 
 Deviation from OpenAI: `temperature` defaults to 0 (greedy), the exact speculative path; pass a
 temperature for sampling. Extensions travel in one field named `ane_spec`, both ways.
@@ -15,7 +16,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ane_spec.daemon.config import MAX_NGRAM
 
@@ -37,7 +38,7 @@ class SpeculationOptions(BaseModel):
     """Request extension `ane_spec`: per-request speculation settings (server defaults when
     omitted)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     speculative: bool | None = None
     ngram_min: int | None = Field(None, ge=1, le=MAX_NGRAM)
@@ -46,7 +47,7 @@ class SpeculationOptions(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool = False
 
@@ -55,7 +56,7 @@ Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class _Generation(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -71,6 +72,14 @@ class _Generation(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ane_spec: SpeculationOptions | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _count_stops(cls, value: Any) -> Any:
+        # Checked before the str | list union, which would report only "not a valid string".
+        if isinstance(value, list) and len(value) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings are allowed, got {len(value)}")
+        return value
 
     @model_validator(mode="after")
     def _unsupported(self) -> "_Generation":
@@ -102,14 +111,14 @@ class _Generation(BaseModel):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     # "developer" is OpenAI's newer name for "system".
     role: Literal["system", "developer", "user", "assistant"]
