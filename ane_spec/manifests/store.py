@@ -10,6 +10,7 @@ again with fstat, so swapping one in after the check gains nothing.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
@@ -39,6 +40,7 @@ _CHUNK = 1 << 22
 MAX_MANIFEST_BYTES = 4 << 20
 # A real .mlpackage holds about five files; a folder with more is not one of ours.
 MAX_PACKAGE_FILES = 10_000
+_NPY_HEADER_MAX = 16 + 10_000  # magic, version, length, and numpy's own header size limit
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
@@ -255,15 +257,18 @@ def _check_embeddings(e: EmbeddingsEntry, loaded: LoadedManifest, where: Path) -
         path = loaded.path(ref)
         dtype, shape = expected[role]
         with open_regular(path) as fh:
-            try:
-                version = np.lib.format.read_magic(fh)
-                header = (np.lib.format.read_array_header_1_0 if version == (1, 0) else
-                          np.lib.format.read_array_header_2_0)(fh)
-            except (ValueError, TypeError, SyntaxError, OverflowError) as exc:
-                raise ManifestError(f"{where}: {untrusted(ref.path)} is not a valid .npy file: "
-                                    f"{untrusted(str(exc), 120)}") from None
-            data_start = fh.tell()
+            # Parsed from a bounded prefix: a v2 header may claim a 4 GB length, and numpy
+            # reads that many bytes from a file before checking its limit of 10,000.
+            head = io.BytesIO(fh.read(_NPY_HEADER_MAX))
             size = os.fstat(fh.fileno()).st_size
+        try:
+            version = np.lib.format.read_magic(head)
+            header = (np.lib.format.read_array_header_1_0 if version == (1, 0) else
+                      np.lib.format.read_array_header_2_0)(head)
+        except (ValueError, TypeError, SyntaxError, OverflowError) as exc:
+            raise ManifestError(f"{where}: {untrusted(ref.path)} is not a valid .npy file: "
+                                f"{untrusted(str(exc), 120)}") from None
+        data_start = head.tell()
         got_shape, fortran, got_dtype = header
         if (got_dtype != np.dtype(dtype) or fortran or tuple(got_shape) != shape
                 or size != data_start + math.prod(shape) * np.dtype(dtype).itemsize):

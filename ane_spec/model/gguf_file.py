@@ -274,9 +274,13 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFModel:
     if "token_embd.weight" not in tensors:
         raise GGUFError(f"{path.name}: missing tensor 'token_embd.weight'")
     tokens = metadata.get("tokenizer.ggml.tokens")
-    if tokens is not None and not isinstance(tokens, list):
-        raise GGUFError(f"{path.name}: 'tokenizer.ggml.tokens' must be an array of strings, "
-                        f"not {describe(tokens)}")
+    if tokens is not None:  # its length is the vocabulary size, so its type is checked here
+        bad = tokens if not isinstance(tokens, list) else next(
+            (t for t in tokens if not isinstance(t, str)), None)
+        if bad is not None:
+            raise GGUFError(f"{path.name}: 'tokenizer.ggml.tokens' must be an array of strings"
+                            + (f", not {describe(bad)}" if bad is tokens else
+                               f"; it holds {describe(bad)}"))
     vocab = len(tokens) if tokens is not None else tensors["token_embd.weight"].shape[0]
     try:
         config = ModelConfig.from_gguf_metadata(
@@ -354,21 +358,22 @@ def tokenizer_data_from_metadata(meta: dict[str, Any], source: str) -> Tokenizer
         return value
 
     tokens = array("tokens", str, "strings")
+    fields = dict(
+        model=get("model", str, "a string", "gpt2"),
+        pre=get("pre", str, "a string", "gpt-4o"),
+        tokens=tokens,
+        token_types=array("token_type", int, "integers", [1] * len(tokens)),
+        merges=array("merges", str, "strings", []),
+        bos_token_id=get("bos_token_id", int, "an integer"),
+        eos_token_id=get("eos_token_id", int, "an integer"),
+        unknown_token_id=get("unknown_token_id", int, "an integer"),
+        padding_token_id=get("padding_token_id", int, "an integer"),
+        add_bos_token=get("add_bos_token", bool, "a boolean", False),
+        add_eos_token=get("add_eos_token", bool, "a boolean", False),
+        chat_template=get("tokenizer.chat_template", str, "a string"),
+    )
     try:
-        return TokenizerData(
-            model=get("model", str, "a string", "gpt2"),
-            pre=get("pre", str, "a string", "gpt-4o"),
-            tokens=tokens,
-            token_types=array("token_type", int, "integers", [1] * len(tokens)),
-            merges=array("merges", str, "strings", []),
-            bos_token_id=get("bos_token_id", int, "an integer"),
-            eos_token_id=get("eos_token_id", int, "an integer"),
-            unknown_token_id=get("unknown_token_id", int, "an integer"),
-            padding_token_id=get("padding_token_id", int, "an integer"),
-            add_bos_token=get("add_bos_token", bool, "a boolean", False),
-            add_eos_token=get("add_eos_token", bool, "a boolean", False),
-            chat_template=get("tokenizer.chat_template", str, "a string"),
-        )
+        return TokenizerData(**fields)
     except TokenizerError as exc:
         raise TokenizerError(f"{source}: {exc}") from None
     except ValidationError as exc:

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from ane_spec.errors import AneSpecError, ManifestError, untrusted
 from ane_spec.runtime.backend import Precision
 from ane_spec.runtime.mil_interpreter import MILInterpreter
 
@@ -35,7 +36,16 @@ class MILBackend:
         self.precision: Precision = precision
 
     def load(self, package: Path) -> MILProgram:
-        return MILProgram(MILInterpreter.from_package(package, precision=self.precision))
+        try:
+            interp = MILInterpreter.from_package(package, precision=self.precision)
+        except AneSpecError:
+            raise
+        except Exception as exc:  # noqa: BLE001: coremltools' parsers raise whatever they meet
+            # (protobuf DecodeError, ValueError from the blob reader, RuntimeError from the
+            # package's JSON): a package whose hash matched but cannot be read is a bad artifact.
+            raise ManifestError(f"{package}: the package cannot be read ({type(exc).__name__}: "
+                                f"{untrusted(str(exc), 160)}); rebuild it") from None
+        return MILProgram(interp)
 
     def describe(self) -> str:
         return f"MIL interpreter ({self.precision})"

@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -119,7 +120,8 @@ def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
                     result = _build_into(model, request, ranges, out, tmp, say, variant)
                     model.check_unchanged()
                 swap_into_place(tmp, out)
-            except BaseException:
+            except BaseException as exc:
+                _drop_hidden_tracebacks(exc)
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
     except OSError as exc:
@@ -128,6 +130,26 @@ def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
                          "nothing was changed there") from None
     result.seconds = time.monotonic() - started
     return result
+
+
+def _drop_hidden_tracebacks(exc: BaseException) -> None:
+    """Free the tracebacks nobody will see: an OSError's (build() turns it into a BuildError
+    `from None`) and those of exceptions chained behind a `from None`. Their frames keep
+    coremltools' temporary files alive, and those delete themselves when collected: that must
+    happen before their folder is removed, or Python prints an "Exception ignored" traceback.
+    Closing them may fail again on a full disk; that failure is the one being reported."""
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda u: None if isinstance(u.exc_value, OSError) else hook(u)
+    try:
+        if isinstance(exc, OSError):
+            exc.__traceback__ = None
+        hidden = exc.__context__ if exc.__suppress_context__ else None
+        while hidden is not None:
+            hidden.__traceback__ = None
+            hidden = hidden.__context__
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
 
 
 def _build_into(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int, int]],
@@ -213,20 +235,29 @@ _SIGNAL_HANDLER = ctypes.CFUNCTYPE(None, ctypes.c_int)
 
 @contextlib.contextmanager
 def _sigbus_ends_build(source: Path, out: Path, litter: tuple[Path, Path]) -> Iterator[None]:
-    """A read from a memory-mapped file that has shrunk raises SIGBUS. Python cannot turn that
-    into an exception (the faulting read would just repeat), and by default the process dies
-    with no message and leaves its temporary folder behind. This handler, installed at the C
-    level, prints the one line the CLI would print, removes the build's temporary folder and
-    lock file, and exits with the CLI's error status 2."""
+    """SIGBUS is what a memory-mapped access gets when the file behind it cannot serve the page:
+    the GGUF shrank under a read, or a disk filled up under a write through a map (the
+    embeddings are written with open_memmap). Python cannot turn it into an exception (the
+    faulting access would just repeat) and by default the process dies with no message, leaving
+    its temporary folder. This handler, installed at the C level, prints the one line the CLI
+    would print, removes the build's temporary folder and lock file, and exits with status 2."""
     if not hasattr(signal, "SIGBUS"):
         yield
         return
-    message = (one_line(f"ane-spec build: error: {source.name} changed during the build (it "
-                        f"shrank while being read); {out} was left as it was") + "\n").encode()
+    size = source.stat().st_size
+    prefix = "ane-spec build: error: "
+    shrank = (one_line(f"{prefix}{source.name} changed during the build (it shrank while being "
+                       f"read); {out} was left as it was") + "\n").encode()
+    full = (one_line(f"{prefix}a write through a memory map failed: is the disk holding {out} "
+                     f"full? {out} was left as it was") + "\n").encode()
     folder, lock_file = litter
 
     def on_sigbus(_signum: int) -> None:
-        os.write(2, message)
+        try:
+            gone = os.stat(source).st_size < size
+        except OSError:
+            gone = True
+        os.write(2, shrank if gone else full)
         shutil.rmtree(folder, ignore_errors=True)
         with contextlib.suppress(OSError):
             lock_file.unlink()
@@ -400,7 +431,14 @@ def _save_checked(prog: Program, tmp: Path, rel: str, kind: str, weights: Weight
     checks read the package back, and hash it for the manifest."""
     interface = _interface(prog)
     path = tmp / rel
-    save_package(prog, path, tmp_dir=_converter_tmp(tmp))
+    try:
+        save_package(prog, path, tmp_dir=_converter_tmp(tmp))
+    except RuntimeError as exc:
+        # coremltools' C++ package and weight writers report I/O failures, a full disk among
+        # them, as RuntimeError ("[MIL FileWriter]: Unknown error occurred while writing").
+        free = shutil.disk_usage(tmp).free
+        raise BuildError(f"writing {rel} failed: {untrusted(str(exc), 200)} "
+                         f"({free / 2**20:,.1f} MiB free where the build is written)") from None
     del prog
     gc.collect()
     check_package(path, kind=kind, weights=weights)
