@@ -47,7 +47,7 @@ from ane_spec.manifests.schema import (
     TensorSpec,
 )
 from ane_spec.manifests.store import file_ref, hash_path, load_manifest, write_manifest
-from ane_spec.model.gguf_file import GGUFModel, open_gguf
+from ane_spec.model.gguf_file import GGUFModel, Tensor, open_gguf
 from ane_spec.shards.embeddings import write_embeddings
 from ane_spec.shards.layer_graph import CORRECT, GraphVariant, LayerWeights, Layout
 from ane_spec.shards.output_dir import OutputLock, building_dir, recover, swap_into_place
@@ -387,7 +387,7 @@ def layer_weights(model: GGUFModel, i: int, fmt: WeightFormat,
         ffn_norm=norms["ffn_norm"], ffn_up=mats["ffn_up"], ffn_down=mats["ffn_down"])
 
 
-def _finite_vector(t) -> np.ndarray:  # noqa: ANN001 (a model Tensor)
+def _finite_vector(t: Tensor) -> np.ndarray:
     values = np.array(t.dequantize())
     require_finite(t.name, values)
     return values

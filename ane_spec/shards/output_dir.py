@@ -26,6 +26,7 @@ import re
 import shutil
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from ane_spec.errors import BuildError
@@ -107,7 +108,7 @@ def _dead_leftovers(out: Path, kind: str) -> dict[int, Path]:
     return found
 
 
-def recover(out: Path, is_complete) -> list[Path]:  # noqa: ANN001 (Callable[[Path], bool])
+def recover(out: Path, is_complete: Callable[[Path], bool]) -> list[Path]:
     """Under the lock: undo an interrupted fallback swap, then delete what dead builds left.
 
     OUT missing while a dead build's `.OUT.old-PID` exists means it died between the two
