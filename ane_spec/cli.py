@@ -7,9 +7,12 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
-from ane_spec.errors import AneSpecError
+from ane_spec.errors import AneSpecError, one_line, untrusted
 
 Handler = Callable[[argparse.Namespace], int]
+
+EXIT_USER_ERROR = 2   # bad input, a tampered build, a full disk: one line on stderr
+EXIT_BUG = 70         # EX_SOFTWARE: anything else escaping is a bug in ane-spec
 
 
 def _parse_tokens(text: str) -> list[int]:
@@ -343,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ane-spec",
         description="Phi-4-mini on the Apple Neural Engine: build shards, prove them, serve them.")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error instead of one line")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("demo", help="the whole toolchain on a generated tiny model (start here)")
@@ -522,12 +527,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except AneSpecError as exc:
-        print(f"ane-spec {args.command}: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001: every failure ends in one line unless --debug
+        if args.debug:
+            raise
+        message, status = failure_line(exc)
+        print(f"ane-spec {args.command}: {message}", file=sys.stderr)
+        return status
+
+
+def failure_line(exc: BaseException) -> tuple[str, int]:
+    """One printable line for an exception, and the exit status that goes with it."""
+    if isinstance(exc, AneSpecError):
+        return one_line(f"error: {exc}"), EXIT_USER_ERROR
+    if isinstance(exc, OSError):
+        where = f"{untrusted(exc.filename, 200)}: " if exc.filename else ""
+        return one_line(f"error: {where}{exc.strerror or exc}"), EXIT_USER_ERROR
+    if isinstance(exc, MemoryError):
+        return "error: out of memory", EXIT_USER_ERROR
+    return one_line(f"internal error: {type(exc).__name__}: {untrusted(str(exc), 300)} (a bug in "
+                    "ane-spec; `ane-spec --debug ...` shows the traceback)"), EXIT_BUG
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -153,14 +155,14 @@ def test_failure_midway_keeps_the_previous_build(tiny_gguf: Path, tmp_path: Path
     real_save = build_module.save_package
     calls = Counter()
 
-    def flaky_save(prog, path):
+    def flaky_save(prog, path, tmp_dir=None):
         calls["n"] += 1
         if calls["n"] == 2:
-            raise OSError("disk full")
-        real_save(prog, path)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real_save(prog, path, tmp_dir)
 
     monkeypatch.setattr(build_module, "save_package", flaky_save)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(BuildError, match="No space left on device.*layers_01_02.mlpackage"):
         build(tiny_gguf, out, BuildRequest(topology="1,1,1", max_seq=S), force=True)
     assert (out / "manifest.json").read_text() == before
     load_manifest(out)

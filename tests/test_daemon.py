@@ -317,6 +317,8 @@ def test_limits_and_bad_requests(server, pipeline) -> None:
             {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages.0"),
         ({"messages": [{"role": "function", "content": "x", "name": "f"}]}, "messages.0"),
         ({"messages": msgs, "stop": 5}, "stop"),
+        ({"messages": msgs, "stream": "yes"}, "stream"),
+        ({"messages": msgs, "max_tokens": 4.0}, "max_tokens"),
         ({"messages": msgs, "ane_spec": {"ngram_min": 0}}, "ane_spec.ngram_min"),
         ({"messages": msgs, "ane_spec": {"ngram_min": 4, "ngram_max": 2}}, "ane_spec.ngram_max"),
         ({"messages": msgs, "ane_spec": {"bogus": 1}}, "ane_spec.bogus"),
@@ -327,6 +329,8 @@ def test_limits_and_bad_requests(server, pipeline) -> None:
     ]:
         e = error_of(httpx.post(chat, json=body), 400)
         assert e["param"] == param, (body, e)
+    e = error_of(httpx.post(comp, json={"prompt": "x", "stop": ["s"] * 17}), 400)
+    assert e["param"] == "stop" and "at most 16 stop strings are allowed, got 17" in e["message"]
     for body, param in [({"prompt": [1, 5000]}, "prompt"), ({"prompt": [-1]}, "prompt"),
                         ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": ""}, "prompt"),
                         ({"prompt": "a", "echo": True}, "echo"), ({"max_tokens": 3}, "prompt")]:

@@ -98,12 +98,13 @@ class _Generation(BaseModel):
     grammar: str | None = None  # llama-server: a GBNF grammar
     ane_spec: SpeculationOptions | None = None
 
-    @field_validator("stop")
+    @field_validator("stop", mode="before")
     @classmethod
-    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and len(v) > MAX_STOPS:
-            raise ValueError(f"at most {MAX_STOPS} stop strings are supported, got {len(v)}")
-        return v
+    def _count_stops(cls, value: Any) -> Any:
+        # Checked before the str | list union, which would report only "not a valid string".
+        if isinstance(value, list) and len(value) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings are allowed, got {len(value)}")
+        return value
 
     @model_validator(mode="before")
     @classmethod

@@ -3,10 +3,17 @@
 Loading (manifest hashes, programs) happens before the port opens, so a bad build fails at
 startup with a readable error; warm-up happens after, in the background, while /health reports
 its progress. `BackgroundServer` runs the same thing in a thread (tests, the load test).
+
+Slow clients cannot hold connections open: an idle keep-alive connection is closed after
+KEEP_ALIVE_SECONDS (uvicorn's own timer), and a request's line and headers must arrive within
+HEADER_TIMEOUT_SECONDS of the connection opening or of the previous response, which uvicorn has
+no setting for (a client dribbling one header byte at a time would otherwise keep its
+connection, and its slot, forever).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 import threading
@@ -18,6 +25,65 @@ from ane_spec.daemon.engine import Engine, load_engine
 log = logging.getLogger("ane_spec.daemon")
 
 GRACEFUL_SHUTDOWN_SECONDS = 5
+KEEP_ALIVE_SECONDS = 5
+HEADER_TIMEOUT_SECONDS = 10
+
+
+def _header_timeout_protocol() -> type:
+    """uvicorn's h11 protocol with a deadline on each request's headers (see module doc)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutH11(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:  # noqa: ANN001
+            super().connection_made(transport)
+            self._arm()
+
+        def handle_events(self) -> None:
+            cycle = self.cycle
+            super().handle_events()
+            if self.cycle is not cycle:  # a whole request line and its headers arrived
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            cycle = self.cycle
+            super().on_response_complete()
+            # Unless a pipelined request already started the next cycle, wait for one.
+            if self.cycle is cycle and not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(HEADER_TIMEOUT_SECONDS, self._expire)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expire(self) -> None:
+            self._deadline = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderTimeoutH11
+
+
+def uvicorn_config(app, config: ServeConfig, *, log_config: dict | None = None):  # noqa: ANN001
+    """The uvicorn settings every ane-spec server runs with, for any ASGI `app`."""
+    import uvicorn
+
+    kwargs = {} if log_config is None else {"log_config": log_config}
+    return uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=config.log_level,
+        access_log=config.access_log, lifespan="on", http=_header_timeout_protocol(),
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS, **kwargs)
 
 
 def _uvicorn_server(config: ServeConfig, engine: Engine, *, log_config: dict | None = None):
@@ -30,12 +96,8 @@ def _uvicorn_server(config: ServeConfig, engine: Engine, *, log_config: dict | N
             from None
     from ane_spec.daemon.app import create_app
 
-    app = create_app(config, engine)
-    kwargs = {} if log_config is None else {"log_config": log_config}
-    return uvicorn.Server(uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=config.log_level,
-        access_log=config.access_log, lifespan="on",
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS, **kwargs))
+    return uvicorn.Server(uvicorn_config(create_app(config, engine), config,
+                                         log_config=log_config))
 
 
 def serve(config: ServeConfig) -> int:

@@ -3,13 +3,20 @@
 The runtime needs nothing but this file and the files it names: model config, tokenizer file,
 RoPE spec, every package's interface (names, shapes, dtypes, with "T" marking the RangeDim token
 axis), sizes and hashes. Gates write their verdicts into `gates`.
+
+A manifest is read back from disk, so it is validated as hostile input: numbers must be finite,
+artifact paths must be plain relative paths (the store also resolves them inside the build
+folder), and the parts must agree with each other: the shards cover exactly `model.num_layers`
+layers, the head's chunks cover the vocabulary, the RoPE spec fits the context window. A
+manifest that says 10^9 layers is refused here instead of sizing anything.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ane_spec.model.config import ModelConfig
 from ane_spec.model.rope import RopeSpec
@@ -17,24 +24,48 @@ from ane_spec.model.rope import RopeSpec
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 
-Dim = int | Literal["T"]
+# Phi-4-mini's window is 131072 tokens; 8x that bounds what a manifest may make the runtime
+# allocate for RoPE tables and masks (~200 MB at phi's head size) whatever the file claims.
+MAX_SEQ_LIMIT = 1 << 20
+# The token axis is RangeDim(1..4); anything wider was never built by this compiler.
+MAX_T_LIMIT = 16
+MAX_PATH_CHARS = 1024
+
+Dim = Annotated[int, Field(ge=1)] | Literal["T"]
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+Count = Annotated[int, Field(ge=1)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and infinities are refused in every float field of the manifest.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+def check_relative_path(path: str) -> str:
+    """A path inside the build folder, spelled plainly: relative, '/'-separated, no '.', '..' or
+    empty parts, no NUL. The store additionally resolves it and refuses symlinks."""
+    if not path or len(path) > MAX_PATH_CHARS:
+        raise ValueError(f"artifact path must be 1 to {MAX_PATH_CHARS} characters")
+    if "\0" in path or "\\" in path:
+        raise ValueError("artifact path contains a NUL or a backslash")
+    if path.startswith("/") or any(part in ("", ".", "..") for part in path.split("/")):
+        raise ValueError("artifact path must be relative to the build folder, without '..'")
+    return path
 
 
 class FileRef(_Strict):
     """A file or package folder relative to the manifest, with its size and content hash."""
 
     path: str
-    bytes: int
-    sha256: str
+    bytes: int = Field(ge=0)
+    sha256: Sha256
+
+    _plain_path = field_validator("path")(check_relative_path)
 
 
 class TensorSpec(_Strict):
-    name: str
-    shape: list[Dim]
+    name: str = Field(max_length=256)
+    shape: list[Dim] = Field(max_length=8)
     dtype: Literal["fp16", "fp32", "int32"]
 
 
@@ -42,7 +73,7 @@ class QuantStats(_Strict):
     """Agreement of the stored weights with the GGUF's values (cosine per tensor)."""
 
     format: str
-    worst_cosine: float
+    worst_cosine: float  # finite (every float in a manifest is); may round past 1.0
     worst_tensor: str
     mean_cosine: float
 
@@ -54,14 +85,14 @@ class SourceInfo(_Strict):
 
 
 class BuildOptions(_Strict):
-    topology: list[int]
-    max_seq: int
-    t_range: tuple[int, int] = (1, 4)
+    topology: list[Count]
+    max_seq: int = Field(ge=32, le=MAX_SEQ_LIMIT, multiple_of=32)
+    t_range: tuple[Count, Annotated[int, Field(ge=1, le=MAX_T_LIMIT)]] = (1, 4)
     layout: Literal["BCT1", "BC1T"]
     weights: Literal["int8-channel", "q8-block", "fp16"]
-    head_chunks: int
+    head_chunks: Count
     head_argmax: bool
-    min_weight_cosine: float
+    min_weight_cosine: float = Field(gt=0.0, le=1.0)
 
 
 class PackageEntry(_Strict):
@@ -70,15 +101,15 @@ class PackageEntry(_Strict):
     outputs: list[TensorSpec]
     states: list[TensorSpec] = Field(default_factory=list)
     quant: QuantStats
-    fingerprint: str  # hash of everything the package was built from; equal means reusable
+    fingerprint: Sha256  # hash of everything the package was built from; equal means reusable
 
 
 class ShardEntry(PackageEntry):
-    layers: tuple[int, int]  # [first, last) layer indices
+    layers: tuple[Annotated[int, Field(ge=0)], Count]  # [first, last) layer indices
 
 
 class HeadEntry(PackageEntry):
-    chunks: list[tuple[int, int]]  # [start, end) vocab rows per chunk
+    chunks: list[tuple[Annotated[int, Field(ge=0)], Count]]  # [start, end) vocab rows per chunk
     argmax: bool
 
 
@@ -86,9 +117,17 @@ class EmbeddingsEntry(_Strict):
     """token_embd rows for host lookup, kept as Q8_0 (int8 qs + fp16 scales) or fp16."""
 
     format: Literal["q8_0", "fp16"]
-    vocab_size: int
-    dim: int
+    vocab_size: Count
+    dim: Count
     files: dict[str, FileRef]
+
+    @model_validator(mode="after")
+    def _roles(self) -> "EmbeddingsEntry":
+        expected = {"q8_0": {"qs", "scales"}, "fp16": {"table"}}[self.format]
+        if set(self.files) != expected:
+            raise ValueError(f"{self.format} embeddings need exactly the files "
+                             f"{sorted(expected)}")
+        return self
 
 
 class GateResult(_Strict):
@@ -99,6 +138,9 @@ class GateResult(_Strict):
     figures: dict[str, Any] = Field(default_factory=dict)
     report: str | None = None
     at: str
+
+    _plain_path = field_validator("report")(
+        lambda path: None if path is None else check_relative_path(path))
 
 
 class Manifest(_Strict):
@@ -118,4 +160,46 @@ class Manifest(_Strict):
     # Measured |logit(block row) - logit(one-token recomputation)| per backend, precision and
     # decode shape (`mil-fp16-mixed`), filled by probes and read by the mixed shape's exactness
     # guard. In the fixed shape it measures 0 on a row-invariant backend.
-    drift: dict[str, float] = Field(default_factory=dict)
+    drift: dict[str, Annotated[float, Field(ge=0.0)]] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _parts_agree(self) -> "Manifest":
+        """Cross-checks between sections: each one alone can look valid."""
+        c, b = self.model, self.build
+        ranges = [tuple(s.layers) for s in self.shards]
+        _check_tiling("shards' layers", ranges, c.num_layers)
+        if b.topology != [end - a for a, end in ranges]:
+            raise ValueError("build.topology does not match the shards' layer ranges")
+        _check_tiling("head.chunks", self.head.chunks, c.vocab_size)
+        if len(self.head.chunks) != b.head_chunks or self.head.argmax != b.head_argmax:
+            raise ValueError("head.chunks/argmax do not match build.head_chunks/head_argmax")
+        if (self.embeddings.vocab_size, self.embeddings.dim) != (c.vocab_size, c.hidden_size):
+            raise ValueError(f"embeddings are {self.embeddings.vocab_size} x "
+                             f"{self.embeddings.dim}; the model is {c.vocab_size} x "
+                             f"{c.hidden_size}")
+        if b.max_seq > c.context_length:
+            raise ValueError(f"build.max_seq {b.max_seq} exceeds model.context_length "
+                             f"{c.context_length}")
+        r = self.rope
+        if (r.context_window, r.rope_dims) != (b.max_seq, c.rope_dims):
+            raise ValueError("rope.context_window/rope_dims do not match build.max_seq and "
+                             "model.rope_dims")
+        if len(r.factors) != r.rope_dims // 2:
+            raise ValueError(f"rope.factors has {len(r.factors)} entries, expected "
+                             f"{r.rope_dims // 2}")
+        for name, v in (("freq_base", r.freq_base), ("attn_factor", r.attn_factor),
+                        *(("factors", f) for f in r.factors)):
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"rope.{name} must be positive and finite, got {v}")
+        return self
+
+
+def _check_tiling(where: str, ranges: list[tuple[int, int]], total: int) -> None:
+    """[start, end) ranges must follow each other from 0 and end exactly at `total`."""
+    start = 0
+    for a, end in ranges:
+        if a != start or end <= a:
+            raise ValueError(f"{where}: ranges do not tile 0..{total}")
+        start = end
+    if start != total:
+        raise ValueError(f"{where}: ranges cover 0..{start}, expected 0..{total}")

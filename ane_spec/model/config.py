@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from ane_spec.errors import ConfigError
+from ane_spec.errors import ConfigError, describe
 
 ARCH = "phi3"
 
@@ -59,8 +59,10 @@ class ModelConfig(BaseModel):
                 raise ValueError(f"{name} ({getattr(self, name)}) must be a multiple of 32")
         if not (self.rms_eps > 0 and math.isfinite(self.rms_eps)):
             raise ValueError(f"rms_eps must be a positive finite number, got {self.rms_eps}")
-        if not (self.rope_attn_factor > 0 and math.isfinite(self.rope_attn_factor)):
-            raise ValueError(f"rope_attn_factor must be positive, got {self.rope_attn_factor}")
+        for name in ("rope_attn_factor", "rope_freq_base"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive finite number, got {value}")
         return self
 
     @property
@@ -89,34 +91,43 @@ class ModelConfig(BaseModel):
         """Map `phi3.*` keys to a validated config, naming the key on any problem."""
         p = ARCH + "."
 
-        def need(key: str) -> Any:
+        def value(key: str, kind: type, default: Any) -> Any:
             if p + key not in meta:
-                raise ConfigError(f"GGUF metadata is missing required key '{p + key}'")
-            return meta[p + key]
+                if default is None:
+                    raise ConfigError(f"GGUF metadata is missing required key '{p + key}'")
+                return default
+            v = meta[p + key]
+            # GGUF stores integers and floats as typed values; bool is an int only in Python.
+            number, what = ((int,), "an integer") if kind is int else ((int, float), "a number")
+            if not isinstance(v, number) or isinstance(v, bool):
+                raise ConfigError(f"'{p + key}' must be {what}, not {describe(v)}")
+            return kind(v)
 
-        hidden = int(need("embedding_length"))
-        heads = int(need("attention.head_count"))
+        def need(key: str, kind: type = int) -> Any:
+            return value(key, kind, None)
+
+        hidden = need("embedding_length")
+        heads = need("attention.head_count")
         if heads <= 0 or hidden % heads:
             raise ConfigError(f"'{p}attention.head_count' ({heads}) does not divide "
                               f"'{p}embedding_length' ({hidden})")
         head_dim = hidden // heads
-        context = int(need("context_length"))
+        context = need("context_length")
         values = dict(
             hidden_size=hidden,
-            num_layers=int(need("block_count")),
+            num_layers=need("block_count"),
             num_heads=heads,
-            num_kv_heads=int(meta.get(p + "attention.head_count_kv", heads)),
+            num_kv_heads=value("attention.head_count_kv", int, heads),
             head_dim=head_dim,
-            rope_dims=int(meta.get(p + "rope.dimension_count", head_dim)),
-            ffn_size=int(need("feed_forward_length")),
+            rope_dims=value("rope.dimension_count", int, head_dim),
+            ffn_size=need("feed_forward_length"),
             vocab_size=vocab_size,
             context_length=context,
-            original_context_length=int(
-                meta.get(p + "rope.scaling.original_context_length", context)),
-            rope_freq_base=float(meta.get(p + "rope.freq_base", 10000.0)),
+            original_context_length=value("rope.scaling.original_context_length", int, context),
+            rope_freq_base=value("rope.freq_base", float, 10000.0),
             # llama.cpp's default when the key is absent is 1.0 (no scaling).
-            rope_attn_factor=float(meta.get(p + "rope.scaling.attn_factor", 1.0)),
-            rms_eps=float(need("attention.layer_norm_rms_epsilon")),
+            rope_attn_factor=value("rope.scaling.attn_factor", float, 1.0),
+            rms_eps=need("attention.layer_norm_rms_epsilon", float),
             tied_embeddings=tied_embeddings,
         )
         try:

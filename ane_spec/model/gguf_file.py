@@ -9,6 +9,7 @@ not later inside a matmul.
 from __future__ import annotations
 
 import hashlib
+import math
 import mmap
 import os
 from collections.abc import Iterator
@@ -19,10 +20,11 @@ from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from pydantic import ValidationError
 
-from ane_spec.errors import ConfigError, GGUFError
-from ane_spec.model.config import ARCH, ModelConfig
-from ane_spec.model.gguf_format import GGUFContents, read_gguf
+from ane_spec.errors import ConfigError, GGUFError, TokenizerError, describe, untrusted
+from ane_spec.model.config import ARCH, ModelConfig, first_error
+from ane_spec.model.gguf_format import GGUFContents, file_identity, read_gguf
 from ane_spec.model.quant import bf16_to_float32, q8_0_blocks, q8_0_dequantize
 from ane_spec.model.rope import RopeSpec, make_rope_spec
 from ane_spec.model.tokenizer import TokenizerData
@@ -116,23 +118,39 @@ class Tensor:
 
 def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a phi3 file must hold, with its numpy shape."""
-    d, f = config.hidden_size, config.ffn_size
+    shapes = _model_tensor_shapes(config)
+    for i in range(config.num_layers):
+        shapes |= _layer_tensor_shapes(config, i)
+    return shapes
+
+
+def expected_tensor_count(config: ModelConfig) -> int:
+    """len(expected_tensor_shapes(config)), without listing num_layers layers' names."""
+    return len(_model_tensor_shapes(config)) + config.num_layers * len(
+        _layer_tensor_shapes(config, 0))
+
+
+def _model_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d = config.hidden_size
     shapes: dict[str, tuple[int, ...]] = {
         "token_embd.weight": (config.vocab_size, d),
         "output_norm.weight": (d,),
     }
     if not config.tied_embeddings:
         shapes["output.weight"] = (config.vocab_size, d)
-    for i in range(config.num_layers):
-        shapes |= {
-            f"blk.{i}.attn_norm.weight": (d,),
-            f"blk.{i}.attn_qkv.weight": (config.qkv_rows, d),
-            f"blk.{i}.attn_output.weight": (d, d),
-            f"blk.{i}.ffn_norm.weight": (d,),
-            f"blk.{i}.ffn_up.weight": (2 * f, d),
-            f"blk.{i}.ffn_down.weight": (d, f),
-        }
     return shapes
+
+
+def _layer_tensor_shapes(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    d, f = config.hidden_size, config.ffn_size
+    return {
+        f"blk.{i}.attn_norm.weight": (d,),
+        f"blk.{i}.attn_qkv.weight": (config.qkv_rows, d),
+        f"blk.{i}.attn_output.weight": (d, d),
+        f"blk.{i}.ffn_norm.weight": (d,),
+        f"blk.{i}.ffn_up.weight": (2 * f, d),
+        f"blk.{i}.ffn_down.weight": (d, f),
+    }
 
 
 OPTIONAL_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
@@ -150,6 +168,18 @@ class GGUFModel:
         self.buffer = np.frombuffer(contents.mapping, dtype=np.uint8)
         self.tensors = tensors
         self.config = config
+        self.identity = contents.identity
+
+    def check_unchanged(self) -> None:
+        """Refuse to go on if the file was modified, truncated or replaced since it was opened:
+        its tensors are read through the mapping, which would mix old and new contents."""
+        try:
+            now = file_identity(os.stat(self.path))
+        except OSError:
+            now = None
+        if now != self.identity:
+            raise GGUFError(f"{self.path.name} changed during the build (its size, modification "
+                            "time or inode differ from when it was opened); run it again")
 
     def tensor(self, name: str) -> Tensor:
         try:
@@ -229,19 +259,28 @@ class GGUFModel:
 def open_gguf(path: str | os.PathLike[str]) -> GGUFModel:
     """Open and validate a GGUF file as a Phi-4-mini (`phi3`) model."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise GGUFError(f"{path}: no such file")
+    if not path.is_file():
+        raise GGUFError(f"{path}: not a regular file")
     contents = read_gguf(os.fspath(path), path.name)
     metadata = contents.metadata
     arch = metadata.get("general.architecture")
     if arch != ARCH:
-        raise GGUFError(f"{path.name}: architecture is {arch!r}; only '{ARCH}' "
+        raise GGUFError(f"{path.name}: architecture is {untrusted(arch)}; only '{ARCH}' "
                         "(Phi-3/Phi-4-mini) is supported")
 
     tensors = _map_tensors(contents, path.name)
-    tokens = metadata.get("tokenizer.ggml.tokens")
     if "token_embd.weight" not in tensors:
         raise GGUFError(f"{path.name}: missing tensor 'token_embd.weight'")
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if tokens is not None:  # its length is the vocabulary size, so its type is checked here
+        bad = tokens if not isinstance(tokens, list) else next(
+            (t for t in tokens if not isinstance(t, str)), None)
+        if bad is not None:
+            raise GGUFError(f"{path.name}: 'tokenizer.ggml.tokens' must be an array of strings"
+                            + (f", not {describe(bad)}" if bad is tokens else
+                               f"; it holds {describe(bad)}"))
     vocab = len(tokens) if tokens is not None else tensors["token_embd.weight"].shape[0]
     try:
         config = ModelConfig.from_gguf_metadata(
@@ -253,43 +292,33 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFModel:
 
 
 def _map_tensors(contents: GGUFContents, name: str) -> dict[str, Tensor]:
-    size = len(contents.mapping)
+    """Views into the mapping; gguf_format has checked types, sizes and offsets already."""
     tensors: dict[str, Tensor] = {}
     for info in contents.tensors:
-        try:
-            qtype = GGMLQuantizationType(info.ggml_type)
-        except ValueError:
-            raise GGUFError(f"{name}: tensor '{info.name}' has unknown ggml type "
-                            f"{info.ggml_type}") from None
+        qtype = info.ggml_type
         if qtype not in SUPPORTED_TYPES:
             raise GGUFError(
-                f"{name}: tensor '{info.name}' has type {qtype.name}; supported types "
+                f"{name}: tensor {untrusted(info.name)} has type {qtype.name}; supported types "
                 f"are {', '.join(SUPPORTED_TYPES.values())} (requantize the file to Q8_0)")
-        if info.name in tensors:
-            raise GGUFError(f"{name}: tensor '{info.name}' appears twice")
-        shape = tuple(int(x) for x in reversed(info.dims))
-        block, type_size = GGML_QUANT_SIZES[qtype]
-        if shape[-1] % block:
-            raise GGUFError(f"{name}: tensor '{info.name}' rows of {shape[-1]} are not a "
-                            f"multiple of the {qtype.name} block size {block}")
-        n_bytes = int(np.prod(shape)) // block * type_size
-        if info.offset + n_bytes > size:
-            raise GGUFError(f"{name}: file is truncated: tensor '{info.name}' ends at byte "
-                            f"{info.offset + n_bytes:,} but the file has {size:,} bytes")
-        if qtype == GGMLQuantizationType.F32:
-            raw = np.frombuffer(contents.mapping, np.float32, int(np.prod(shape)), info.offset)
-        elif qtype == GGMLQuantizationType.F16:
-            raw = np.frombuffer(contents.mapping, np.float16, int(np.prod(shape)), info.offset)
+        shape = tuple(int(x) for x in reversed(info.dims)) or (1,)  # a 0-dim tensor is a scalar
+        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            dtype = np.float32 if qtype == GGMLQuantizationType.F32 else np.float16
+            raw = np.frombuffer(contents.mapping, dtype, math.prod(shape), info.offset)
+            raw = raw.reshape(shape)
         else:  # Q8_0, BF16: bytes, one row of the matrix per row of the array
-            raw = np.frombuffer(contents.mapping, np.uint8, n_bytes, info.offset)
-        raw = raw.reshape(shape) if qtype in (GGMLQuantizationType.F32,
-                                              GGMLQuantizationType.F16) else (
-            raw.reshape(int(np.prod(shape[:-1])), -1))
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            raw = np.frombuffer(contents.mapping, np.uint8, info.nbytes, info.offset)
+            raw = raw.reshape(math.prod(shape[:-1]), shape[-1] // block * type_size)
         tensors[info.name] = Tensor(info.name, qtype, shape, raw, info.offset, contents.mapping)
     return tensors
 
 
 def _check_tensor_shapes(tensors: dict[str, Tensor], config: ModelConfig, name: str) -> None:
+    # Count first: block_count = 2^31 must not make us list 13 billion expected tensor names.
+    needed = expected_tensor_count(config)
+    if needed > len(tensors):
+        raise GGUFError(f"{name}: {ARCH}.block_count is {config.num_layers:,}, which needs "
+                        f"{needed:,} tensors; the file has {len(tensors):,}")
     for tname, shape in expected_tensor_shapes(config).items():
         t = tensors.get(tname)
         if t is None:
@@ -304,33 +333,48 @@ def _check_tensor_shapes(tensors: dict[str, Tensor], config: ModelConfig, name: 
 
 
 def tokenizer_data_from_metadata(meta: dict[str, Any], source: str) -> TokenizerData:
-    from ane_spec.errors import TokenizerError
-
+    """`tokenizer.ggml.*` as TokenizerData; every key is type-checked and named on error."""
     prefix = "tokenizer.ggml."
     if prefix + "tokens" not in meta:
         raise TokenizerError(f"{source}: no tokenizer in the file ('{prefix}tokens' is absent)")
 
-    def opt_int(key: str) -> int | None:
-        v = meta.get(prefix + key)
-        return None if v is None else int(v)
+    def get(key: str, kind: type, what: str, default: Any = None) -> Any:
+        full = key if key.startswith("tokenizer.") else prefix + key
+        if full not in meta:
+            return default
+        value = meta[full]
+        # bool is an int in Python; GGUF keeps them apart, and so does this check.
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise TokenizerError(f"{source}: '{full}' must be {what}, not {describe(value)}")
+        return value
 
+    def array(key: str, kind: type, what: str, default: list | None = None) -> list:
+        value = get(key, list, f"an array of {what}", default)
+        bad = next((v for v in value if not isinstance(v, kind)
+                    or (kind is not bool and isinstance(v, bool))), None)
+        if bad is not None:
+            raise TokenizerError(f"{source}: '{prefix}{key}' must be an array of {what}; it "
+                                 f"holds {describe(bad)}")
+        return value
+
+    tokens = array("tokens", str, "strings")
+    fields = dict(
+        model=get("model", str, "a string", "gpt2"),
+        pre=get("pre", str, "a string", "gpt-4o"),
+        tokens=tokens,
+        token_types=array("token_type", int, "integers", [1] * len(tokens)),
+        merges=array("merges", str, "strings", []),
+        bos_token_id=get("bos_token_id", int, "an integer"),
+        eos_token_id=get("eos_token_id", int, "an integer"),
+        unknown_token_id=get("unknown_token_id", int, "an integer"),
+        padding_token_id=get("padding_token_id", int, "an integer"),
+        add_bos_token=get("add_bos_token", bool, "a boolean", False),
+        add_eos_token=get("add_eos_token", bool, "a boolean", False),
+        chat_template=get("tokenizer.chat_template", str, "a string"),
+    )
     try:
-        return TokenizerData(
-            model=meta.get(prefix + "model", "gpt2"),
-            pre=meta.get(prefix + "pre", "gpt-4o"),
-            tokens=list(meta[prefix + "tokens"]),
-            token_types=[int(x) for x in meta.get(prefix + "token_type",
-                                                  [1] * len(meta[prefix + "tokens"]))],
-            merges=list(meta.get(prefix + "merges", [])),
-            bos_token_id=opt_int("bos_token_id"),
-            eos_token_id=opt_int("eos_token_id"),
-            unknown_token_id=opt_int("unknown_token_id"),
-            padding_token_id=opt_int("padding_token_id"),
-            add_bos_token=bool(meta.get(prefix + "add_bos_token", False)),
-            add_eos_token=bool(meta.get(prefix + "add_eos_token", False)),
-            chat_template=meta.get("tokenizer.chat_template"),
-        )
-    except ValueError as exc:
-        raise TokenizerError(f"{source}: invalid tokenizer metadata: {exc}") from None
-
-
+        return TokenizerData(**fields)
+    except TokenizerError as exc:
+        raise TokenizerError(f"{source}: {exc}") from None
+    except ValidationError as exc:
+        raise TokenizerError(f"{source}: invalid tokenizer metadata: {first_error(exc)}") from None

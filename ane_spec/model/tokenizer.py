@@ -43,7 +43,7 @@ from typing import Iterable
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from ane_spec.errors import TokenizerError
+from ane_spec.errors import TokenizerError, untrusted
 
 # llama.cpp's llama_token_type values, as stored in `tokenizer.ggml.token_type`.
 TOKEN_UNDEFINED = 0
@@ -268,37 +268,74 @@ class TokenizerData(BaseModel):
     def _check(self) -> "TokenizerData":
         if self.model != "gpt2":
             raise TokenizerError(
-                f"tokenizer model {self.model!r} is not supported; only 'gpt2' (byte-level BPE, "
-                "as in Phi-4-mini) is")
+                f"tokenizer model {untrusted(self.model)} is not supported; only 'gpt2' "
+                "(byte-level BPE, as in Phi-4-mini) is")
         if self.pre not in PRE_TOKENIZER_PATTERNS:
             raise TokenizerError(
-                f"pre-tokenizer {self.pre!r} is not supported; supported: "
+                f"pre-tokenizer {untrusted(self.pre)} is not supported; supported: "
                 f"{', '.join(sorted(PRE_TOKENIZER_PATTERNS))}")
         n = len(self.tokens)
         if n == 0:
             raise TokenizerError("the vocabulary is empty")
         if len(self.token_types) != n:
             raise TokenizerError(f"{n} tokens but {len(self.token_types)} token types")
-        bad = set(self.token_types) - _KNOWN_TYPES
+        bad = sorted(set(self.token_types) - _KNOWN_TYPES)
         if bad:
-            raise TokenizerError(f"unknown token type(s) {sorted(bad)} (valid: 0-6)")
+            shown = ", ".join(str(t) for t in bad[:5]) + (" ..." if len(bad) > 5 else "")
+            raise TokenizerError(f"unknown token type(s) {shown} (valid: 0-6)")
         for name in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id"):
             v = getattr(self, name)
             if v is not None and not 0 <= v < n:
                 raise TokenizerError(f"{name} {v} is outside the vocabulary (0..{n - 1})")
-        if len(set(self.tokens)) != n:
+        _check_utf8("token", self.tokens)
+        _check_utf8("merge", self.merges)
+        if self.chat_template is not None:
+            _check_utf8("chat template", [self.chat_template])
+        texts = token_texts(self.tokens)
+        if len(set(texts)) != n:
             seen: dict[str, int] = {}
-            for i, t in enumerate(self.tokens):
+            for i, t in enumerate(texts):
                 if t in seen:
                     raise TokenizerError(
-                        f"token {t!r} appears twice (ids {seen[t]} and {i}); llama.cpp refuses "
-                        "such a vocabulary")
+                        f"token {untrusted(t)} appears twice (ids {seen[t]} and {i}); llama.cpp "
+                        "refuses such a vocabulary")
                 seen[t] = i
+        _check_merges(self.merges, frozenset(texts))
         if self.add_bos_token and self.bos_token_id is None:
             raise TokenizerError("add_bos_token is true but bos_token_id is not set")
         if self.add_eos_token and self.eos_token_id is None:
             raise TokenizerError("add_eos_token is true but eos_token_id is not set")
         return self
+
+
+def token_texts(tokens: list[str]) -> list[str]:
+    """The vocabulary as BPE sees it: llama.cpp names empty tokens "[EMPTY_<id>]"."""
+    return [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+
+
+def _check_utf8(what: str, texts: list[str]) -> None:
+    """Strings from a GGUF may hold invalid UTF-8 (kept as lone surrogates); a tokenizer cannot
+    be written to tokenizer.json with them, and llama.cpp would not tokenize with them either."""
+    try:
+        "".join(texts).encode("utf-8")
+    except UnicodeEncodeError:
+        for i, t in enumerate(texts):
+            try:
+                t.encode("utf-8")
+            except UnicodeEncodeError:
+                raise TokenizerError(f"{what} #{i} {untrusted(t)} is not valid UTF-8") from None
+
+
+def _check_merges(merges: list[str], vocab: frozenset[str]) -> None:
+    """Every merge 'A B' names two tokens whose concatenation is a token: what HF tokenizers'
+    BPE requires, checked here so that `build` refuses what `tokenize` could not load."""
+    for k, merge in enumerate(merges):
+        a, b = _split_merge(k, merge)
+        for part in (a, b, a + b):
+            if part not in vocab:
+                raise TokenizerError(
+                    f"merge #{k} {untrusted(merge)} is inconsistent with the vocabulary: "
+                    f"{untrusted(part)} is not a token")
 
 
 def _clean(text: str) -> str:
@@ -315,7 +352,7 @@ def _split_merge(index: int, merge: str) -> tuple[str, str]:
     # llama.cpp: `pos = word.find(' ', 1)`; the parts never contain a raw space (it is 'Ġ').
     pos = merge.find(" ", 1)
     if pos < 0 or pos == len(merge) - 1:
-        raise TokenizerError(f"merge #{index} {merge!r} is not of the form 'A B'")
+        raise TokenizerError(f"merge #{index} {untrusted(merge)} is not of the form 'A B'")
     return merge[:pos], merge[pos + 1:]
 
 
@@ -354,8 +391,8 @@ class Tokenizer:
         self.data = data
         self.split = split
         n = len(data.tokens)
-        # llama.cpp names empty tokens "[EMPTY_<id>]" (TokenizerData rules out duplicates).
-        self._texts = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(data.tokens)]
+        # TokenizerData has ruled out duplicates and merges naming unknown tokens.
+        self._texts = token_texts(data.tokens)
         self._token_to_id: dict[str, int] = {t: i for i, t in enumerate(self._texts)}
         self._types = list(data.token_types)
 
@@ -393,7 +430,8 @@ class Tokenizer:
                              unk_token=None, fuse_unk=False, byte_fallback=False,
                              ignore_merges=False)
         except Exception as exc:  # tokenizers raises a bare Exception naming the bad merge
-            raise TokenizerError(f"the BPE vocabulary/merges are inconsistent: {exc}") from None
+            raise TokenizerError("the BPE vocabulary/merges are inconsistent: "
+                                 f"{untrusted(str(exc), 200)}") from None
         # Two front ends over the one BPE model: the HF split (tokenizer.json's pipeline), and
         # whole pre-split words (llama.cpp's split is done in Python, see llama_cpp_split).
         hf = HFTokenizer(bpe)

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from ane_spec.errors import AneSpecError, ManifestError, untrusted
 from ane_spec.runtime.backend import Precision
 from ane_spec.runtime.mil_interpreter import Kernels, MILInterpreter
 
@@ -40,8 +41,17 @@ class MILBackend:
 
     def load(self, package: Path, *, sha256: str | None = None) -> MILProgram:
         # sha256 keys Core ML's compiled-model cache; the interpreter compiles nothing.
-        return MILProgram(MILInterpreter.from_package(package, precision=self.precision,
-                                                      kernels=self.kernels))
+        try:
+            interp = MILInterpreter.from_package(package, precision=self.precision,
+                                                 kernels=self.kernels)
+        except AneSpecError:
+            raise
+        except Exception as exc:  # noqa: BLE001: coremltools' parsers raise whatever they meet
+            # (protobuf DecodeError, ValueError from the blob reader, RuntimeError from the
+            # package's JSON): a package whose hash matched but cannot be read is a bad artifact.
+            raise ManifestError(f"{package}: the package cannot be read ({type(exc).__name__}: "
+                                f"{untrusted(str(exc), 160)}); rebuild it") from None
+        return MILProgram(interp)
 
     def describe(self) -> str:
         kernels = ", batched kernels" if self.kernels == "batched" else ""

@@ -164,10 +164,7 @@ class ShardPipeline:
     @cached_property
     def tokenizer_data(self):
         """The build's copy of the GGUF vocabulary and chat template (tokenizer.json)."""
-        from ane_spec.model.tokenizer import TokenizerData
-
-        return TokenizerData.model_validate_json(
-            self.loaded.path(self.manifest.tokenizer).read_text())
+        return self.loaded.tokenizer_data()
 
     @cached_property
     def tokenizer(self):

@@ -1,21 +1,31 @@
 """`ane-spec build`: a GGUF file -> layer shards, LM head, embeddings, tokenizer, manifest.
 
-The build writes into a sibling temporary folder and renames it into place only when every
-package has been built and checked, so a failed or interrupted build leaves either the previous
-build or nothing: never a manifest that points at partial files. Memory is bounded by one shard:
+The build writes into a sibling temporary folder and swaps it into place only when every
+package has been built and checked, so a failed, killed or interrupted build leaves either the
+previous build or nothing: never a manifest that points at partial files (output_dir.py: the
+lock, the atomic swap, the clean-up of dead builds' leftovers). Memory is bounded by one shard:
 its weights are converted, the package is written, and the GGUF pages it read are released
 before the next shard starts.
+
+The GGUF is read through a memory map for the whole build, so it must not change meanwhile: its
+size and mtime are compared with those at open between steps, and a file that shrinks under a
+read (SIGBUS, which would kill the process without a word) ends the build with one line and
+no temporary folder. Tensors are checked to be finite as they are converted (weights.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
 import hashlib
 import json
 import os
 import shutil
+import signal
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,7 +35,7 @@ from coremltools.converters.mil.mil import Program, types
 from pydantic import BaseModel, ConfigDict
 
 import ane_spec
-from ane_spec.errors import BuildError
+from ane_spec.errors import AneSpecError, BuildError, ManifestError, one_line, untrusted
 from ane_spec.manifests.schema import (
     BuildOptions,
     EmbeddingsEntry,
@@ -37,13 +47,21 @@ from ane_spec.manifests.schema import (
     TensorSpec,
 )
 from ane_spec.manifests.store import file_ref, hash_path, load_manifest, write_manifest
-from ane_spec.model.gguf_file import GGUFModel, open_gguf
+from ane_spec.model.gguf_file import GGUFModel, Tensor, open_gguf
 from ane_spec.shards.embeddings import write_embeddings
 from ane_spec.shards.layer_graph import CORRECT, GraphVariant, LayerWeights, Layout
+from ane_spec.shards.output_dir import OutputLock, building_dir, recover, swap_into_place
 from ane_spec.shards.programs import MAX_T, head_program, layer_program, save_package
 from ane_spec.shards.static_checks import check_package
 from ane_spec.shards.topology import DEFAULT_MAX_SHARD_MB, check_budget, parse_topology, plan_topology
-from ane_spec.shards.weights import DEFAULT_MIN_WEIGHT_COSINE, ConvWeight, WeightFormat, convert_matrix
+from ane_spec.shards.weights import (
+    DEFAULT_MIN_WEIGHT_COSINE,
+    ConvWeight,
+    WeightFormat,
+    check_tensor_finite,
+    convert_matrix,
+    require_finite,
+)
 
 # Bump when the emitted graphs change, so fingerprints stop matching and shards are rebuilt.
 COMPILER_REVISION = 1
@@ -87,79 +105,176 @@ def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
     say = progress or (lambda _msg: None)
     out = Path(out_dir)
     model = open_gguf(gguf_path)
-    ranges = _validate(model, request, out, force)
-
-    previous = _previous_build(out)
-    tmp = out.parent / f".{out.name}.building-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "shards").mkdir(parents=True)
-    result = BuildResult(manifest_path=out / "manifest.json")
+    ranges = _validate(model, request)
     try:
-        say(f"hashing {model.path.name}")
-        source_sha, tensor_sha = model.content_hashes()
-        options = _options(request, ranges)
-        shards = []
-        for n, (a, b) in enumerate(ranges):
-            label = f"shard {n + 1}/{len(ranges)} layers [{a},{b})"
-            fp = _fingerprint(options, request, ("layers", a, b), tensor_sha, model,
-                              [f"blk.{i}.{p}.weight" for i in range(a, b)
-                               for p in (*MATRICES, "attn_norm", "ffn_norm")], variant)
-            rel = f"shards/layers_{a:02d}_{b:02d}.mlpackage"
-            entry = _reuse(previous, fp, rel, tmp, ShardEntry)
-            if entry is not None:
-                say(f"{label}: unchanged, reused")
-                result.reused.append(rel)
-            else:
-                t0 = time.monotonic()
-                entry = _build_shard(model, request, a, b, tmp, rel, fp, variant)
-                say(f"{label}: built in {time.monotonic() - t0:.1f}s, "
-                    f"{entry.file.bytes / 2**20:,.1f} MiB, worst weight cosine "
-                    f"{entry.quant.worst_cosine:.6f}")
-                result.built.append(rel)
-            shards.append(entry)
-
-        head_name = model.lm_head.name
-        fp = _fingerprint(options, request, ("head",), tensor_sha, model,
-                          ["output_norm.weight", head_name], variant)
-        rel = "head.mlpackage"
-        head = _reuse(previous, fp, rel, tmp, HeadEntry)
-        if head is not None:
-            say("LM head: unchanged, reused")
-            result.reused.append(rel)
-        else:
-            t0 = time.monotonic()
-            head = _build_head(model, request, tmp, rel, fp)
-            say(f"LM head: {len(head.chunks)} chunks built in {time.monotonic() - t0:.1f}s, "
-                f"{head.file.bytes / 2**20:,.1f} MiB")
-            result.built.append(rel)
-
-        say("embeddings and tokenizer")
-        fmt, files = write_embeddings(model.tensor("token_embd.weight"), tmp / "embeddings")
-        embeddings = EmbeddingsEntry(format=fmt, vocab_size=model.config.vocab_size,
-                                     dim=model.config.hidden_size,
-                                     files={k: file_ref(tmp, p) for k, p in files.items()})
-        tok_path = tmp / "tokenizer.json"
-        tok_path.write_text(model.tokenizer_data.model_dump_json())
-
-        manifest = Manifest(
-            tool_version=ane_spec.__version__,
-            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            name=request.name or out.name,
-            source=SourceInfo(path=str(model.path.resolve()), bytes=model.path.stat().st_size,
-                              sha256=source_sha),
-            model=model.config, tokenizer=file_ref(tmp, tok_path), build=options,
-            rope=model.rope_spec(request.max_seq), shards=shards, head=head,
-            embeddings=embeddings)
-        write_manifest(manifest, tmp)
-        _swap_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with OutputLock(out) as lock:
+            removed = recover(out, _is_complete)
+            if removed:
+                say(f"removed {len(removed)} folder(s) left by interrupted builds")
+            _check_output(out, force)
+            tmp = building_dir(out)
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "shards").mkdir(parents=True)
+            try:
+                with _sigbus_ends_build(model.path, out, litter=(tmp, lock.path)):
+                    result = _build_into(model, request, ranges, out, tmp, say, variant)
+                    model.check_unchanged()
+                swap_into_place(tmp, out)
+            except BaseException as exc:
+                _drop_hidden_tracebacks(exc)
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+    except OSError as exc:
+        where = f" ({untrusted(exc.filename, 200)})" if exc.filename else ""
+        raise BuildError(f"cannot write the build for {out}: {exc.strerror or exc}{where}; "
+                         "nothing was changed there") from None
     result.seconds = time.monotonic() - started
     return result
 
 
-def _validate(model: GGUFModel, r: BuildRequest, out: Path, force: bool) -> list[tuple[int, int]]:
+def _drop_hidden_tracebacks(exc: BaseException) -> None:
+    """Free the tracebacks nobody will see: an OSError's (build() turns it into a BuildError
+    `from None`) and those of exceptions chained behind a `from None`. Their frames keep
+    coremltools' temporary files alive, and those delete themselves when collected: that must
+    happen before their folder is removed, or Python prints an "Exception ignored" traceback.
+    Closing them may fail again on a full disk; that failure is the one being reported."""
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda u: None if isinstance(u.exc_value, OSError) else hook(u)
+    try:
+        if isinstance(exc, OSError):
+            exc.__traceback__ = None
+        hidden = exc.__context__ if exc.__suppress_context__ else None
+        while hidden is not None:
+            hidden.__traceback__ = None
+            hidden = hidden.__context__
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+
+
+def _build_into(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int, int]],
+                out: Path, tmp: Path, say: Progress, variant: GraphVariant) -> BuildResult:
+    previous = _previous_build(out)
+    result = BuildResult(manifest_path=out / "manifest.json")
+    say(f"hashing {model.path.name}")
+    source_sha, tensor_sha = model.content_hashes()
+    model.check_unchanged()
+    options = _options(request, ranges)
+    shards = []
+    for n, (a, b) in enumerate(ranges):
+        label = f"shard {n + 1}/{len(ranges)} layers [{a},{b})"
+        fp = _fingerprint(options, request, ("layers", a, b), tensor_sha, model,
+                          [f"blk.{i}.{p}.weight" for i in range(a, b)
+                           for p in (*MATRICES, "attn_norm", "ffn_norm")], variant)
+        rel = f"shards/layers_{a:02d}_{b:02d}.mlpackage"
+        entry = _reuse(previous, fp, rel, tmp, ShardEntry)
+        if entry is not None:
+            say(f"{label}: unchanged, reused")
+            result.reused.append(rel)
+        else:
+            t0 = time.monotonic()
+            entry = _build_shard(model, request, a, b, tmp, rel, fp, variant)
+            say(f"{label}: built in {time.monotonic() - t0:.1f}s, "
+                f"{entry.file.bytes / 2**20:,.1f} MiB, worst weight cosine "
+                f"{entry.quant.worst_cosine:.6f}")
+            result.built.append(rel)
+        model.check_unchanged()
+        shards.append(entry)
+
+    head_name = model.lm_head.name
+    fp = _fingerprint(options, request, ("head",), tensor_sha, model,
+                      ["output_norm.weight", head_name], variant)
+    rel = "head.mlpackage"
+    head = _reuse(previous, fp, rel, tmp, HeadEntry)
+    if head is not None:
+        say("LM head: unchanged, reused")
+        result.reused.append(rel)
+    else:
+        t0 = time.monotonic()
+        head = _build_head(model, request, tmp, rel, fp)
+        say(f"LM head: {len(head.chunks)} chunks built in {time.monotonic() - t0:.1f}s, "
+            f"{head.file.bytes / 2**20:,.1f} MiB")
+        result.built.append(rel)
+    shutil.rmtree(_converter_tmp(tmp), ignore_errors=True)
+
+    say("embeddings and tokenizer")
+    embd = model.tensor("token_embd.weight")
+    check_tensor_finite(embd)
+    fmt, files = write_embeddings(embd, tmp / "embeddings")
+    embeddings = EmbeddingsEntry(format=fmt, vocab_size=model.config.vocab_size,
+                                 dim=model.config.hidden_size,
+                                 files={k: file_ref(tmp, p) for k, p in files.items()})
+    tok_path = tmp / "tokenizer.json"
+    tok_path.write_text(model.tokenizer_data.model_dump_json())
+    model.check_unchanged()
+
+    manifest = Manifest(
+        tool_version=ane_spec.__version__,
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        name=request.name or out.name,
+        source=SourceInfo(path=str(model.path.resolve()), bytes=model.path.stat().st_size,
+                          sha256=source_sha),
+        model=model.config, tokenizer=file_ref(tmp, tok_path), build=options,
+        rope=model.rope_spec(request.max_seq), shards=shards, head=head,
+        embeddings=embeddings)
+    write_manifest(manifest, tmp)
+    return result
+
+
+def _is_complete(folder: Path) -> bool:
+    """A dead build's folder is a whole build if its manifest loads (it is written last)."""
+    try:
+        load_manifest(folder, verify=False)
+    except AneSpecError:
+        return False
+    return True
+
+
+_SIGNAL_HANDLER = ctypes.CFUNCTYPE(None, ctypes.c_int)
+
+
+@contextlib.contextmanager
+def _sigbus_ends_build(source: Path, out: Path, litter: tuple[Path, Path]) -> Iterator[None]:
+    """SIGBUS is what a memory-mapped access gets when the file behind it cannot serve the page:
+    the GGUF shrank under a read, or a disk filled up under a write through a map (the
+    embeddings are written with open_memmap). Python cannot turn it into an exception (the
+    faulting access would just repeat) and by default the process dies with no message, leaving
+    its temporary folder. This handler, installed at the C level, prints the one line the CLI
+    would print, removes the build's temporary folder and lock file, and exits with status 2."""
+    if not hasattr(signal, "SIGBUS"):
+        yield
+        return
+    size = source.stat().st_size
+    prefix = "ane-spec build: error: "
+    shrank = (one_line(f"{prefix}{source.name} changed during the build (it shrank while being "
+                       f"read); {out} was left as it was") + "\n").encode()
+    full = (one_line(f"{prefix}a write through a memory map failed: is the disk holding {out} "
+                     f"full? {out} was left as it was") + "\n").encode()
+    folder, lock_file = litter
+
+    def on_sigbus(_signum: int) -> None:
+        try:
+            gone = os.stat(source).st_size < size
+        except OSError:
+            gone = True
+        os.write(2, shrank if gone else full)
+        shutil.rmtree(folder, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            lock_file.unlink()
+        os._exit(2)
+
+    handler = _SIGNAL_HANDLER(on_sigbus)
+    libc = ctypes.CDLL(None)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    previous = libc.signal(signal.SIGBUS, ctypes.cast(handler, ctypes.c_void_p))
+    try:
+        yield
+    finally:
+        libc.signal(signal.SIGBUS, previous)
+
+
+def _validate(model: GGUFModel, r: BuildRequest) -> list[tuple[int, int]]:
     c = model.config
     if r.max_seq < 32 or r.max_seq % 32:
         raise BuildError(f"--max-seq {r.max_seq} must be a positive multiple of 32 (state "
@@ -176,12 +291,23 @@ def _validate(model: GGUFModel, r: BuildRequest, out: Path, force: bool) -> list
     if ranges is None:
         ranges = plan_topology(c, r.weights, r.max_shard_mb)
     check_budget(ranges, c, r.weights, r.max_shard_mb)
+    # What `tokenize` and the runtime will refuse is refused before any shard is built.
+    model.tokenizer_data  # noqa: B018 (validates the vocabulary and merges)
+    rope = model.rope_spec(r.max_seq)
+    factors = np.asarray(rope.factors)
+    require_finite(f"rope_factors_{rope.factor_set}.weight", factors)
+    if (factors <= 0).any():
+        raise BuildError(f"tensor 'rope_factors_{rope.factor_set}.weight' holds factors <= 0; "
+                         "the GGUF file is corrupt")
+    return ranges
+
+
+def _check_output(out: Path, force: bool) -> None:
     if out.exists() and not force:
         raise BuildError(f"{out} already exists; pass --force to rebuild it (shards whose "
                          "inputs are unchanged are reused)")
     if out.exists() and not out.is_dir():
         raise BuildError(f"{out} exists and is not a folder")
-    return ranges
 
 
 def _options(r: BuildRequest, ranges: list[tuple[int, int]]) -> BuildOptions:
@@ -217,7 +343,7 @@ def _previous_build(out: Path) -> PreviousBuild | None:
         return None
     try:
         m = load_manifest(out, verify=False).manifest
-    except Exception:  # an unreadable old build is simply not reused
+    except (AneSpecError, OSError):  # an unreadable old build is simply not reused
         return None
     entries: dict[str, ShardEntry | HeadEntry] = {s.fingerprint: s for s in m.shards}
     entries[m.head.fingerprint] = m.head
@@ -230,7 +356,10 @@ def _reuse(previous: PreviousBuild | None, fp: str, rel: str, tmp: Path, kind: t
     if not isinstance(entry, kind):
         return None
     old = previous.root / entry.file.path
-    if not old.exists() or hash_path(old) != (entry.file.bytes, entry.file.sha256):
+    try:
+        if hash_path(old) != (entry.file.bytes, entry.file.sha256):
+            return None
+    except (ManifestError, OSError):
         return None
     dest = tmp / rel
     shutil.copytree(old, dest, copy_function=_link_or_copy)
@@ -252,10 +381,16 @@ def layer_weights(model: GGUFModel, i: int, fmt: WeightFormat,
         mats[part] = convert_matrix(t, fmt)
         t.release()
         cosines[t.name] = mats[part].cosine
+    norms = {part: _finite_vector(model.layer(i, part)) for part in ("attn_norm", "ffn_norm")}
     return LayerWeights(
-        attn_norm=np.array(model.layer(i, "attn_norm").dequantize()), qkv=mats["attn_qkv"],
-        attn_output=mats["attn_output"], ffn_norm=np.array(model.layer(i, "ffn_norm").dequantize()),
-        ffn_up=mats["ffn_up"], ffn_down=mats["ffn_down"])
+        attn_norm=norms["attn_norm"], qkv=mats["attn_qkv"], attn_output=mats["attn_output"],
+        ffn_norm=norms["ffn_norm"], ffn_up=mats["ffn_up"], ffn_down=mats["ffn_down"])
+
+
+def _finite_vector(t: Tensor) -> np.ndarray:
+    values = np.array(t.dequantize())
+    require_finite(t.name, values)
+    return values
 
 
 def _build_shard(model: GGUFModel, r: BuildRequest, a: int, b: int, tmp: Path, rel: str,
@@ -283,7 +418,7 @@ def _build_head(model: GGUFModel, r: BuildRequest, tmp: Path, rel: str, fp: str)
         cosines[f"{t.name}[{s}:{e}]"] = w.cosine
         weights.append(w)
     quant = _quant_stats(r, cosines)
-    norm = np.array(model.tensor("output_norm.weight").dequantize())
+    norm = _finite_vector(model.tensor("output_norm.weight"))
     prog = head_program(norm, weights, c, r.layout, r.head_argmax)
     del weights
     ref, (inputs, outputs, _) = _save_checked(prog, tmp, rel, "head", r.weights)
@@ -296,16 +431,31 @@ def _save_checked(prog: Program, tmp: Path, rel: str, kind: str, weights: Weight
     checks read the package back, and hash it for the manifest."""
     interface = _interface(prog)
     path = tmp / rel
-    save_package(prog, path)
+    try:
+        save_package(prog, path, tmp_dir=_converter_tmp(tmp))
+    except RuntimeError as exc:
+        # coremltools' C++ package and weight writers report I/O failures, a full disk among
+        # them, as RuntimeError ("[MIL FileWriter]: Unknown error occurred while writing").
+        free = shutil.disk_usage(tmp).free
+        raise BuildError(f"writing {rel} failed: {untrusted(str(exc), 200)} "
+                         f"({free / 2**20:,.1f} MiB free where the build is written)") from None
     del prog
     gc.collect()
     check_package(path, kind=kind, weights=weights)
     return file_ref(tmp, path), interface
 
 
+def _converter_tmp(tmp: Path) -> Path:
+    """Where coremltools' own temporary files go: inside the build's folder, so a killed build
+    leaves them with everything else it leaves (removed by the next build)."""
+    return tmp / "converter-tmp"
+
+
 def _quant_stats(r: BuildRequest, cosines: dict[str, float]) -> QuantStats:
-    worst = min(cosines, key=cosines.__getitem__)
-    if cosines[worst] < r.min_weight_cosine:
+    # A NaN cosine counts as the worst and fails the gate (`NaN < x` is False, so a plain
+    # comparison would pass it); weights.py refuses non-finite values before it gets here.
+    worst = min(cosines, key=lambda k: -np.inf if np.isnan(cosines[k]) else cosines[k])
+    if not cosines[worst] >= r.min_weight_cosine:
         raise BuildError(f"{r.weights} weights of '{worst}' reach cosine {cosines[worst]:.6f} "
                          f"against the GGUF values, below --min-weight-cosine "
                          f"{r.min_weight_cosine}; use --weights q8-block or fp16 for this model")
@@ -329,12 +479,3 @@ def _interface(prog: Program) -> tuple[list[TensorSpec], list[TensorSpec], list[
             inputs.append(spec(name, var))
     outputs = [spec(v.name, v) for v in func.outputs]
     return inputs, outputs, states
-
-
-def _swap_into_place(tmp: Path, out: Path) -> None:
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    if out.exists():
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
-

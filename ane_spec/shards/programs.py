@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -117,9 +118,13 @@ def _program(specs: dict[str, object], body: Callable[[dict], list]) -> Program:
     return prog
 
 
-def save_package(prog: Program, path: Path) -> None:
+def save_package(prog: Program, path: Path, tmp_dir: Path | None = None) -> None:
     """Convert to an ML program package. Every tensor input gets the one RangeDim(1, 4) T axis
-    (a MIL-built program needs the flexible shapes passed here, coremltools #2500)."""
+    (a MIL-built program needs the flexible shapes passed here, coremltools #2500).
+
+    ct.convert first writes the weights and a whole `tmpXXXX.mlpackage` through `tempfile`
+    (converter.py's weights_dir, utils.py's _create_mlpackage); with `tmp_dir` those go there
+    instead of the system temp folder, where a killed build would leave them behind."""
     func = prog.functions["main"]
     inputs = []
     for name, var in func.inputs.items():
@@ -128,11 +133,25 @@ def save_package(prog: Program, path: Path) -> None:
         shape = tuple(ct.RangeDim(1, MAX_T, default=1) if not isinstance(s, (int, np.integer))
                       else int(s) for s in var.shape)
         inputs.append(ct.TensorType(name=name, shape=shape, dtype=np.float16))
-    with _quiet_pass_pipeline():
+    with _quiet_pass_pipeline(), _tempfile_dir(tmp_dir):
         model = ct.convert(prog, inputs=inputs, minimum_deployment_target=OPSET,
                            compute_precision=ct.precision.FLOAT32, skip_model_load=True,
                            convert_to="mlprogram")
-    model.save(os.fspath(path))
+        model.save(os.fspath(path))
+
+
+@contextlib.contextmanager
+def _tempfile_dir(folder: Path | None) -> Iterator[None]:
+    if folder is None:
+        yield
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    previous = tempfile.tempdir
+    tempfile.tempdir = os.fspath(folder)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = previous
 
 
 @contextlib.contextmanager

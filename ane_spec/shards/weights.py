@@ -6,6 +6,10 @@
 - `q8-block`: the GGUF's own Q8_0 blocks as `constexpr_blockwise_shift_scale` with one fp16 scale
   per 32 inputs. Bit-identical to the file, but per-block scales are reported to leave the ANE.
 - `fp16`: plain half-precision constants.
+
+Every value is checked to be finite on the way in (the GGUF's Q8_0 scales or float values) and
+on the way out (fp16 weights and scales, which overflow past 65504): a NaN would otherwise pass
+the cosine gate (`cos < min` is False for NaN) and poison every logit of the build.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Literal
 
 import numpy as np
 
+from ane_spec.errors import BuildError, untrusted
 from ane_spec.model.gguf_file import Tensor
 from ane_spec.model.quant import q8_0_quantize, q8_0_blocks
 
@@ -53,11 +58,37 @@ def estimate_bytes(out: int, inp: int, fmt: WeightFormat) -> int:
     return out * inp + 2 * out
 
 
+def require_finite(name: str, values: np.ndarray, first_row: int = 0, what: str = "") -> None:
+    """BuildError naming the tensor and the first bad row unless every value is finite."""
+    finite = np.isfinite(values)
+    if not finite.all():
+        bad = np.argwhere(~finite)[0]
+        row = first_row + (int(bad[0]) if values.ndim > 1 else 0)
+        raise BuildError(f"tensor {untrusted(name)}{what} holds NaN or infinite values (first "
+                         f"at row {row}); the GGUF file is corrupt")
+
+
+def check_tensor_finite(t: Tensor) -> None:
+    """Scan a whole tensor (for those no conversion reads): Q8_0 scales, or float values."""
+    step = max(1, (1 << 24) // max(1, t.shape[-1]))
+    if t.is_q8_0:
+        _, d = t.q8_0()
+        for r0 in range(0, d.shape[0], step):
+            require_finite(t.name, d[r0:r0 + step], r0, " (Q8_0 scales)")
+        return
+    if len(t.shape) == 1:
+        require_finite(t.name, t.dequantize())
+        return
+    for r0, rows in t.row_chunks(step):
+        require_finite(t.name, rows, r0)
+
+
 def convert_matrix(t: Tensor, fmt: WeightFormat, rows: slice | None = None) -> ConvWeight:
     """Convert a GGUF matrix (optionally a row range of it, for LM head chunks)."""
     rows = rows or slice(0, t.shape[0])
     if fmt == "q8-block":
         qs, d = _q8_0_rows(t, rows)
+        require_finite(t.name, d, rows.start, " (Q8_0 scales)")
         out, nb = d.shape
         data = np.ascontiguousarray(qs.reshape(out, nb * 32))[:, :, None, None]
         return ConvWeight(fmt, (out, nb * 32), data, np.ascontiguousarray(d)[:, :, None, None], 1.0)
@@ -86,8 +117,11 @@ def _requantize_q8_0_rows(t: Tensor, r0: int, r1: int, agreement: "_CosineAccumu
     the max over blocks of max|qs| * |d|, and q = rint(qs * d / s_row)."""
     qs, d = t.q8_0()
     qs, d32 = qs[r0:r1], d[r0:r1].astype(np.float32)
+    require_finite(t.name, d32, r0, " (Q8_0 scales)")
     amax = (np.abs(qs).max(axis=2) * np.abs(d32)).max(axis=1, keepdims=True)
-    s16 = np.where(amax == 0, 1.0, amax / 127.0).astype(np.float16)
+    with np.errstate(over="ignore"):
+        s16 = np.where(amax == 0, 1.0, amax / 127.0).astype(np.float16)
+    require_finite(t.name, s16, r0, " (int8 scales beyond the fp16 range)")
     s32 = s16.astype(np.float32)
     # Quantize against the fp16 scale actually stored, so the rounding matches what runs.
     qf = qs * (d32 / s32)[..., None]
@@ -104,12 +138,16 @@ def _requantize_q8_0_rows(t: Tensor, r0: int, r1: int, agreement: "_CosineAccumu
 def _convert_float_rows(t: Tensor, r0: int, r1: int, fmt: WeightFormat,
                         agreement: "_CosineAccumulator") -> tuple[np.ndarray, np.ndarray | None]:
     values = t.rows(np.arange(r0, r1), np.float32)
+    require_finite(t.name, values, r0)
     if fmt == "fp16":
         stored = values.astype(np.float16)
+        require_finite(t.name, stored, r0, " (beyond the fp16 range, 65504)")
         agreement.add(values, stored.astype(np.float32))
         return stored, None
     amax = np.abs(values).max(axis=1, keepdims=True)
-    s16 = np.where(amax == 0, 1.0, amax / 127.0).astype(np.float16)
+    with np.errstate(over="ignore"):
+        s16 = np.where(amax == 0, 1.0, amax / 127.0).astype(np.float16)
+    require_finite(t.name, s16, r0, " (int8 scales beyond the fp16 range)")
     s32 = s16.astype(np.float32)
     q = np.clip(np.rint(values / s32), -127, 127).astype(np.int8)
     agreement.add(values, q * s32)
