@@ -115,3 +115,23 @@ def test_run_gates_residency_is_skipped_with_a_reason(builds: dict) -> None:
     [report] = run_gates(builds[("BCT1", "fp16")], ("residency",), backend="mil",
                          precision="fp32", save=False)
     assert report.skipped and "macOS" in report.skipped
+
+
+def test_drift_refuses_non_finite_logits(builds: dict, tmp_path: Path) -> None:
+    """A build whose weights hold NaN (tampered after the build; loaded unverified) gives NaN
+    logits: the drift probe says so instead of handing the guard a NaN margin."""
+    import shutil
+
+    from ane_spec.errors import AneSpecError
+    from ane_spec.probes.drift import measure_drift
+
+    art = tmp_path / "nan-build"
+    shutil.copytree(builds[("BCT1", "fp16")], art)
+    blob = next((art / "shards").rglob("weight.bin"))
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 4096] = b"\xff" * 4096  # fp16 0xffff is NaN
+    blob.write_bytes(bytes(data))
+    _, pipeline = open_pipeline(art, "mil", "fp32", verify=False, decode_shape="mixed")
+    with pytest.raises(AneSpecError, match="non-finite logits"):
+        measure_drift(pipeline)
+    assert "mil-fp32-mixed" not in load_manifest(art, verify=False).manifest.drift

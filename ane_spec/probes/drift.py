@@ -52,6 +52,11 @@ def measure_drift(pipeline: ShardPipeline, lengths=CALIBRATION_LENGTHS, seed: in
                                for i, tok in enumerate(tokens)])
         diffs.extend(np.abs(four - ones).max(axis=1).tolist())
     drift = float(max(diffs))
+    if not np.isfinite(drift):
+        # NaN or inf logits: a broken build or backend. A guard margin made of it would wave
+        # every row through (comparisons with NaN are False), so nothing may store it.
+        raise AneSpecError(f"drift calibration on {pipeline.backend.describe()} produced "
+                           "non-finite logits; the build or the backend is broken")
     figures = {"drift": drift, "median_row_drift": float(np.median(diffs)),
                "p99_row_drift": float(np.quantile(diffs, 0.99)), "rows": len(diffs)}
     return GateReport("drift", True, pipeline.backend.name, pipeline.backend.precision, figures,
