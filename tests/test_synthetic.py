@@ -63,9 +63,10 @@ def test_failed_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 READ_ONE_LAYER = """
-import json, resource, sys
+import json, sys
 import numpy as np
 from ane_spec.model.gguf_file import open_gguf
+from ane_spec.peak_memory import peak_rss_bytes  # this process's own peak, not pytest's
 m = open_gguf(sys.argv[1])
 emb = m.tensor("token_embd.weight")
 qs, d = emb.q8_0()                       # whole-table views: no copy
@@ -80,7 +81,7 @@ for name in ("attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_
     checksum += float(w[:4].sum())
     del w
     t.release()
-print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+print(json.dumps({"peak_rss_mb": peak_rss_bytes() / 2**20,
                   "rows": rows.shape[0], "checksum": checksum}))
 """
 

@@ -16,7 +16,6 @@ shards; the residency check before it compiles and plans but never predicts.
 from __future__ import annotations
 
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from typing import Any, Literal
 
 from ane_spec.errors import AneSpecError
 from ane_spec.manifests.store import LoadedManifest, load_manifest
+from ane_spec.peak_memory import peak_rss_bytes
 from ane_spec.probes.report import GateReport
 from ane_spec.runtime.backend import (
     RESHAPE_FREQUENCY_FOR_DECODE_SHAPE,
@@ -369,8 +369,7 @@ def check_peak_memory(run: DoctorRun) -> Verdict:
     run.need_build_on_coreml()
     if "CPU_AND_NE" not in run.pipelines:
         raise Skip("the build was not loaded on Core ML (an earlier check failed)")
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    gb = peak / 1e9 if sys.platform == "darwin" else peak * 1024 / 1e9  # bytes vs KiB
+    gb = peak_rss_bytes() / 1e9
     status: Status = "passed" if gb < ANE_PROCESS_LIMIT_GB else "failed"
     return Verdict(status, f"peak RSS {gb:.2f} GB (per-process ANE limit seen "
                  f"at ~{ANE_PROCESS_LIMIT_GB:.0f} GB)", {"peak_rss_gb": round(gb, 3)})

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import os
-import resource
 import shutil
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ane_spec.model.config import ModelConfig
+from ane_spec.peak_memory import peak_rss_bytes
 from ane_spec.model.rope import make_rope_spec
 from ane_spec.probes.block import block_thresholds, block_vs_sequential
 from ane_spec.probes.report import GateReport
@@ -95,7 +95,7 @@ def probe_block(package: Path, c: ModelConfig, max_seq: int, layout: str, backen
     passed = float(cos.min()) >= thresholds["min_cosine"] and state_diff <= thresholds["state_rel_diff"]
     figures = {"min_cosine": float(cos.min()), "state_rel_diff": state_diff,
                "package_mb": _size_mb(package), **{k: round(v, 3) for k, v in timings.items()},
-               "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+               "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1)}
     return GateReport(name, passed, backend.name, backend.precision, figures, thresholds,
                       {"token_cosine": [float(v) for v in cos], "package": str(package)})
 
