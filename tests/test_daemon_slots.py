@@ -216,3 +216,29 @@ def test_seeded_sampling_stays_reproducible_with_memory(server, pipeline) -> Non
     texts = [complete(server, prompt, 16, temperature=0.9, seed=42)["choices"][0]["text"]
              for _ in range(2)]
     assert texts == [ref.text, ref.text]
+
+
+def test_slot_and_memory_options_round_trip_through_the_cli(artifacts, tmp_path) -> None:
+    from ane_spec.cli import _serve_config, build_parser
+    from ane_spec.daemon.config import ServeConfigError
+    from ane_spec.daemon.launchd import serve_arguments
+
+    cfg = ServeConfig(manifest=artifacts, kv_slots=3, slot_spill_mb=0,
+                      slot_save_path=tmp_path / "s", draft_memory="off",
+                      draft_memory_tokens=4096)
+    args = build_parser().parse_args(serve_arguments(cfg)[3:])
+    back = _serve_config(args)
+    for field in ("kv_slots", "slot_spill_mb", "draft_memory", "draft_memory_tokens"):
+        assert getattr(back, field) == getattr(cfg, field), field
+    assert back.slot_save_path == (tmp_path / "s").resolve()
+    assert ServeConfig(manifest=artifacts).draft_memory_mode == "shared"
+    assert ServeConfig(manifest=artifacts, api_key="k").draft_memory_mode == "per-key"
+    assert ServeConfig(manifest=artifacts, api_key="k", draft_memory="shared") \
+        .draft_memory_mode == "shared"
+    (tmp_path / "file").write_text("x")
+    for bad, message in (({"slot_save_path": tmp_path / "file"}, "is not a directory"),
+                         ({"draft_memory": "everyone"}, "draft_memory"),
+                         ({"kv_slots": 0}, "kv_slots"),
+                         ({"draft_memory_tokens": 10}, "draft_memory_tokens")):
+        with pytest.raises(ServeConfigError, match=message):
+            ServeConfig.create(manifest=artifacts, **bad)

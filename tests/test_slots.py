@@ -25,12 +25,18 @@ S = 128
 
 @pytest.fixture(scope="session")
 def builds(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """`art`, and another build of the same model under the same name with other shard
-    packages (one shard of 3 layers): what a rebuild leaves for old slot files."""
-    root = tmp_path_factory.mktemp("slots")
-    out = {"art": root / "a" / "art", "stale": root / "b" / "art"}
+    """The tiny model as `art` (shared with test_daemon_slots)."""
+    out = {"art": tmp_path_factory.mktemp("slots") / "art"}
     build(tiny_gguf, out["art"], BuildRequest(topology="2,1", max_seq=S))
-    build(tiny_gguf, out["stale"], BuildRequest(topology="3", max_seq=S))
+    return out
+
+
+@pytest.fixture(scope="module")
+def stale_build(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Another build of the same model under the same name with other shard packages (one
+    shard of 3 layers): what a rebuild leaves for old slot files."""
+    out = tmp_path_factory.mktemp("stale") / "art"
+    build(tiny_gguf, out, BuildRequest(topology="3", max_seq=S))
     return out
 
 
@@ -114,7 +120,7 @@ def serve(manager: SlotManager, session: DecodeSession, prompt: list[int], scope
     slot = manager.acquire(prompt, scope)
     session.use_slot(slot.state, slot.tokens)
     result = session.generate(prompt, GenerateOptions(max_tokens=n))
-    manager.release(slot, session.kv_tokens)
+    manager.release(slot, session.kv_tokens, len(prompt))
     return slot, result
 
 
@@ -207,25 +213,29 @@ def saved(builds, tmp_path_factory) -> tuple[Path, list[int], object]:
 
 def test_slot_file_round_trip(saved) -> None:
     path, kv, layout = saved
-    got_tokens, arrays = load_slot(path, layout)
-    assert got_tokens == kv
+    got_tokens, arrays, scope = load_slot(path, layout)
+    assert got_tokens == kv and scope is None
     state = layout.pipeline.new_state()
     layout.install(state, arrays, len(kv))
     again = layout.capture(state, len(kv))
     assert all(np.array_equal(a, b) for a, b in zip(arrays, again))
     assert path.stat().st_size == len(MAGIC) + 8 + int.from_bytes(
         path.read_bytes()[len(MAGIC):len(MAGIC) + 8], "little") + layout.nbytes(len(kv))
+    scoped = path.with_name("scoped.slot")  # a per-key scope (a hash) comes back with it
+    save_slot(scoped, layout, kv, arrays, scope="0f" * 16)
+    assert load_slot(scoped, layout).scope == "0f" * 16
 
 
-@pytest.mark.parametrize("build_name, backend, message", [
-    ("stale", "fp32", r"stale: saved from another build of 'art'"),
-    ("art", "fp16", r"computed on mil fp32 fixed; this server runs mil fp16 fixed"),
-])
-def test_stale_files_are_refused(saved, builds, build_name, backend, message) -> None:
+def test_stale_files_are_refused(saved, builds, stale_build) -> None:
     path, _, _ = saved
-    other = StateLayout(open_pipeline(builds[build_name], "mil", backend)[1])
-    with pytest.raises(SlotFileError, match=message):
-        load_slot(path, other)
+    rebuilt = StateLayout(open_pipeline(stale_build, "mil", "fp32")[1])
+    with pytest.raises(SlotFileError, match=r"conv.slot: stale: saved from another build of "
+                                            r"'art' \(its shard package hashes differ"):
+        load_slot(path, rebuilt)
+    elsewhere = StateLayout(open_pipeline(builds["art"], "mil", "fp16")[1])
+    with pytest.raises(SlotFileError, match=r"computed on mil fp32 fixed; this server runs "
+                                            r"mil fp16 fixed"):
+        load_slot(path, elsewhere)
 
 
 def split(data: bytes) -> tuple[dict, int]:

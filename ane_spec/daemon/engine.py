@@ -333,7 +333,7 @@ class Engine:
         try:
             self._generate(job, session)
         finally:
-            slots.release(slot, session.kv_tokens)
+            slots.release(slot, session.kv_tokens, len(item.prompt))
             session.drafter.finish(into=memory)
 
     def _generate(self, job: Job, session: DecodeSession) -> None:

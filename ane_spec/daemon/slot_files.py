@@ -19,6 +19,7 @@ import os
 import re
 import struct
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -53,7 +54,14 @@ class SlotHeader(BaseModel):
     build: BuildIdentity
     dtype: str
     tokens: list[int]
+    scope: str | None = None  # the --draft-memory scope (a hash, never a key) it belongs to
     content_sha256: str
+
+
+class SlotContents(NamedTuple):
+    tokens: list[int]
+    arrays: list[np.ndarray]
+    scope: str | None
 
 
 def build_identity(layout: StateLayout) -> BuildIdentity:
@@ -76,14 +84,14 @@ def slot_path(directory: Path, name: str) -> Path:
     return path
 
 
-def save_slot(path: Path, layout: StateLayout, tokens: list[int],
-              arrays: list[np.ndarray]) -> int:
+def save_slot(path: Path, layout: StateLayout, tokens: list[int], arrays: list[np.ndarray],
+              scope: str | None = None) -> int:
     """Write atomically (a temp file renamed into place); returns the file's size."""
     payload = b"".join(np.ascontiguousarray(a, dtype=layout.dtype).tobytes() for a in arrays)
     if len(payload) != layout.nbytes(len(tokens)):
         raise SlotFileError("the captured state does not match this build's layout")
     header = {"build": build_identity(layout).model_dump(mode="json"),
-              "dtype": layout.dtype.name, "tokens": [int(t) for t in tokens]}
+              "dtype": layout.dtype.name, "tokens": [int(t) for t in tokens], "scope": scope}
     header["content_sha256"] = _content_hash(header, payload)
     head = json.dumps(header, separators=(",", ":")).encode()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -96,8 +104,9 @@ def save_slot(path: Path, layout: StateLayout, tokens: list[int],
     return len(MAGIC) + 8 + len(head) + len(payload)
 
 
-def load_slot(path: Path, layout: StateLayout) -> tuple[list[int], list[np.ndarray]]:
-    """(tokens, arrays) of a slot file made by this build on this backend, or SlotFileError."""
+def load_slot(path: Path, layout: StateLayout) -> SlotContents:
+    """The tokens, K/V rows and scope of a slot file made by this build on this backend, or
+    SlotFileError."""
     where = path.name
     try:
         size = path.stat().st_size
@@ -138,7 +147,7 @@ def load_slot(path: Path, layout: StateLayout) -> tuple[list[int], list[np.ndarr
         arrays.append(np.frombuffer(payload, dtype=layout.dtype, count=count,
                                     offset=offset).reshape(shape).copy())
         offset += count * layout.dtype.itemsize
-    return header.tokens, arrays
+    return SlotContents(header.tokens, arrays, header.scope)
 
 
 def _content_hash(header: dict, payload: bytes) -> str:

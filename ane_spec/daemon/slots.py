@@ -1,20 +1,19 @@
 """KV slots: several conversations' caches kept at once, spilled to host memory, saved to disk.
 
 A *slot* is one resident `PipelineState` (every shard's K/V states) plus the tokens its slots
-0..n-1 hold. `acquire(prompt)` picks the slot a request runs in:
+0..n-1 hold. `acquire(prompt)` picks the slot a request runs in. The cached conversation
+(resident or spilled) with the longest common token prefix is a *hit* when the request continues
+it: the prefix covers that conversation's last prompt (a next turn, a regenerated answer; the
+reply itself may re-tokenize differently) or all but fewer than MIN_SHARED of its tokens. A hit
+runs in place when resident, or is restored into the least-recently-used resident slot.
+Anything else is a *miss*: it takes the least-recently-used resident slot (an empty one first),
+and when another conversation shares a useful prefix with it (at least MIN_SHARED tokens: an
+app's system prompt) that prefix's K/V is copied in, so the other conversation stays intact.
 
-- the cached conversation (resident or spilled) with the longest common token prefix serves
-  it when the request keeps at least KEEP_FRACTION of that conversation (a next turn, a
-  regenerated answer): a resident one in place, a spilled one restored into the
-  least-recently-used resident slot;
-- anything else is cold: it takes the least-recently-used resident slot (an empty one first),
-  and when another conversation shares a useful prefix (at least MIN_SHARED tokens, a shared
-  system prompt say) that prefix's K/V is copied in, so the other conversation stays intact.
-
-A resident conversation that a slot's new occupant pushes out is *spilled* instead of dropped:
-its K/V rows are copied to host memory (`kv_state`), up to a byte budget, the least recently
-used spilled copy going first. Restoring one writes the rows back, far cheaper than the prefill
-that rebuilt them (`scripts/bench_slots.py` measures both).
+A conversation that a slot's new occupant pushes out is *spilled* instead of dropped: its K/V
+rows are copied to host memory (`kv_state`), up to a byte budget, the least recently used
+spilled copy going first. Restoring one writes the rows back, far cheaper than the prefill that
+rebuilt them (`scripts/bench_slots.py` measures both).
 
 Every path ends with a state whose slots 0..p-1 hold exactly the K/V a fresh state would hold
 after prefilling the same p tokens, and slots past p are never read before they are written, so
@@ -45,7 +44,6 @@ from ane_spec.runtime.pipeline import PipelineState, ShardPipeline
 
 log = logging.getLogger("ane_spec.daemon")
 
-KEEP_FRACTION = 0.5
 # Below this many tokens a conversation is cheaper to prefill again than to copy: a copy moves
 # the whole state, a prefill of 16 tokens is 4 T=4 passes.
 MIN_SHARED = 16
@@ -76,6 +74,7 @@ class _Cached:
 
     id: int
     tokens: list[int] = field(default_factory=list)
+    prompt_len: int = 0  # the last request's prompt: a later one covering it continues it
     scope: str | None = None
     tick: int = 0          # last use, for LRU
     last_used: float = 0.0  # wall clock, for /slots
@@ -127,7 +126,8 @@ class SlotManager:
             if (n, isinstance(c, Slot), c.tick) > (shared, isinstance(best, Slot),
                                                     best.tick if best else -1):
                 best, shared = c, n
-        if best is not None and shared >= max(1, KEEP_FRACTION * len(best.tokens)):
+        if best is not None and shared and (shared >= best.prompt_len
+                                            or len(best.tokens) - shared < MIN_SHARED):
             self.record("hit")
             best.hits += 1
             if isinstance(best, Slot):
@@ -142,15 +142,18 @@ class SlotManager:
             own = common_prefix(slot.tokens, prompt) if slot.scope == scope else 0
             if slot.scope != scope:
                 slot.tokens = []
+            slot.prompt_len = 0
             if best is not None and best is not slot and shared >= MIN_SHARED and shared > own:
                 self._install(slot, best, upto=shared, event="copy")
         slot.scope, slot.tick, slot.last_used = scope, self._tick, time.time()
         self._publish()
         return slot
 
-    def release(self, slot: Slot, tokens: list[int]) -> None:
-        """After a request: the tokens its slots now hold (the session's kv_tokens)."""
+    def release(self, slot: Slot, tokens: list[int], prompt_len: int) -> None:
+        """After a request: the tokens its slots now hold (the session's kv_tokens) and how
+        many of them were its prompt."""
         slot.tokens = list(tokens)
+        slot.prompt_len = min(prompt_len, len(slot.tokens))
         slot.last_used = time.time()
         self._publish()
 
@@ -169,7 +172,7 @@ class SlotManager:
         arrays = (entry.arrays if isinstance(entry, Spilled)
                   else self.layout.capture(entry.state, len(entry.tokens)))
         t0 = time.perf_counter()
-        size = save_slot(path, self.layout, entry.tokens, arrays)
+        size = save_slot(path, self.layout, entry.tokens, arrays, entry.scope)
         self.record("save")
         return {"id": slot_id, "filename": path.name, "tokens": len(entry.tokens),
                 "bytes": size, "seconds": round(time.perf_counter() - t0, 4)}
@@ -184,11 +187,11 @@ class SlotManager:
                             f"{len(self.resident) - 1}")
         path = slot_path(directory, name)
         t0 = time.perf_counter()
-        tokens, arrays = load_slot(path, self.layout)
+        tokens, arrays, scope = load_slot(path, self.layout)
         self._spill(slot)
         self._tick += 1
-        self._install(slot, Spilled(-1, tokens, arrays=arrays))
-        slot.tick, slot.last_used, slot.scope = self._tick, time.time(), None
+        self._install(slot, Spilled(-1, tokens, len(tokens), arrays=arrays))
+        slot.tick, slot.last_used, slot.scope = self._tick, time.time(), scope
         self.record("load")
         self._publish()
         return {"id": slot_id, "filename": path.name, "tokens": len(tokens),
@@ -211,18 +214,18 @@ class SlotManager:
         loaded = []
         for path in files:
             try:
-                tokens, arrays = load_slot(path, self.layout)
+                tokens, arrays, scope = load_slot(path, self.layout)
             except SlotFileError as exc:
                 log.warning("not restoring a saved slot: %s", exc)
                 continue
             self._tick += 1
-            entry = Spilled(self._new_id(), tokens, arrays=arrays,
+            entry = Spilled(self._new_id(), tokens, len(tokens), scope, arrays=arrays,
                             nbytes=sum(a.nbytes for a in arrays), tick=-self._tick,
                             last_used=path.stat().st_mtime)
             empty = next((s for s in self.resident if not s.tokens), None)
             if empty is not None:
                 self._install(empty, entry)
-                empty.tick, empty.last_used = entry.tick, entry.last_used
+                empty.tick, empty.last_used, empty.scope = entry.tick, entry.last_used, scope
             elif not self._keep(entry):
                 log.warning("not restoring %s: no resident slot and no spill budget left",
                             path.name)
@@ -255,8 +258,8 @@ class SlotManager:
         if len(slot.tokens) < MIN_SHARED:
             return
         n = len(slot.tokens)
-        entry = Spilled(self._new_id(), list(slot.tokens), slot.scope, slot.tick,
-                        slot.last_used, slot.hits, nbytes=self.layout.nbytes(n))
+        entry = Spilled(self._new_id(), list(slot.tokens), slot.prompt_len, slot.scope,
+                        slot.tick, slot.last_used, slot.hits, nbytes=self.layout.nbytes(n))
         if entry.nbytes > self.spill_budget:
             self.record("drop")
             return
@@ -292,6 +295,7 @@ class SlotManager:
                       for e, a in zip(self.layout.entries, arrays)]
         self.layout.install(slot.state, arrays, n)
         slot.tokens = list(source.tokens[:n])
+        slot.prompt_len = min(source.prompt_len, n)
         slot.hits = source.hits
         if event is not None:
             self.record(event)
