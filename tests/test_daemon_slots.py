@@ -19,9 +19,6 @@ from ane_spec.model.chat import render_chat
 from ane_spec.probes.gates import open_pipeline
 from tests.test_slots import builds  # noqa: F401 - the session's shared tiny builds
 
-KEY = "s3cret"
-
-
 @pytest.fixture(scope="module")
 def artifacts(builds) -> Path:  # noqa: F811
     return builds["art"]
@@ -60,8 +57,16 @@ def complete(server: BackgroundServer, prompt: list[int], max_tokens: int = 8,
     return r.json()
 
 
+_SOLO: dict[tuple, object] = {}
+
+
 def solo(pipeline, prompt: list[int], max_tokens: int = 8):
-    return DecodeSession(pipeline).generate(prompt, GenerateOptions(max_tokens=max_tokens))
+    """What a fresh session generates (memoised: several servers replay the same chats)."""
+    key = (id(pipeline), tuple(prompt), max_tokens)
+    if key not in _SOLO:
+        _SOLO[key] = DecodeSession(pipeline).generate(prompt,
+                                                      GenerateOptions(max_tokens=max_tokens))
+    return _SOLO[key]
 
 
 def interleave(server, pipeline, conversations: int, turns: int) -> list[list[float]]:
@@ -84,7 +89,9 @@ def interleave(server, pipeline, conversations: int, turns: int) -> list[list[fl
 
 @pytest.fixture(scope="module")
 def server(artifacts: Path, tmp_path_factory: pytest.TempPathFactory):
-    srv = serving(artifacts, kv_slots=2, slot_save_path=tmp_path_factory.mktemp("saved"))
+    """Two slots; per-key draft memory without an API key: scopes by the `user` field."""
+    srv = serving(artifacts, kv_slots=2, slot_save_path=tmp_path_factory.mktemp("saved"),
+                  draft_memory="per-key")
     yield srv
     srv.stop()
 
@@ -98,7 +105,7 @@ def test_interleaved_conversations_keep_their_caches(server, pipeline) -> None:
     assert after["ane_spec_slot_hits_total"] - before["ane_spec_slot_hits_total"] == 4
     health = httpx.get(f"{server.url}/health").json()
     assert health["kv_slots"]["resident"] == 2 and health["kv_slots"]["resident_fit"] >= 2
-    assert health["draft_memory"]["mode"] == "shared"
+    assert health["draft_memory"]["mode"] == "per-key"
 
 
 def test_interleaved_chats_reuse_what_they_would_alone(server, pipeline) -> None:
@@ -186,19 +193,14 @@ def test_slots_route_save_and_restore_across_restart(artifacts, pipeline, tmp_pa
         srv.stop()
 
 
-def test_draft_memory_is_scoped_per_key_and_user(artifacts, pipeline) -> None:
-    """With an API key the default is per-key: a repeated request drafts from the memory of
-    its own (key, user) scope, never from another's, and the text never changes."""
-    srv = serving(artifacts, api_key=KEY)
-    auth = {"Authorization": f"Bearer {KEY}"}
+def test_draft_memory_is_scoped_per_key_and_user(server, pipeline) -> None:
+    """per-key: a repeated request drafts from the memory of its own (key, user) scope, never
+    from another's, and the text never changes."""
     prompt = np.random.default_rng(5).integers(0, 1000, 30).tolist()
-    try:
-        first, again, other = (complete(srv, prompt, 24, auth, user=u)
-                               for u in ("u1", "u1", "u2"))
-        health = httpx.get(f"{srv.url}/health").json()
-    finally:
-        srv.stop()
-    assert health["draft_memory"]["mode"] == "per-key" and health["draft_memory"]["scopes"] == 2
+    scopes = httpx.get(f"{server.url}/health").json()["draft_memory"]["scopes"]
+    first, again, other = (complete(server, prompt, 24, user=u) for u in ("u1", "u1", "u2"))
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["draft_memory"]["scopes"] == scopes + 2
     text = solo(pipeline, prompt, 24).text
     assert first["choices"][0]["text"] == again["choices"][0]["text"] == \
         other["choices"][0]["text"] == text
