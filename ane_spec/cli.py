@@ -241,22 +241,37 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_drafter(args: argparse.Namespace) -> int:
-    from ane_spec.bench.drafter_bench import VllmNgramBaseline, format_markdown, losses, run_drafter_bench
+    from ane_spec.bench.drafter_bench import (
+        CrossRequest, VllmNgramBaseline, format_markdown, format_side_by_side, losses,
+        run_drafter_bench,
+    )
     from ane_spec.bench.streams import builtin_streams, load_streams
-    from ane_spec.decode.drafter import NgramDrafter
+    from ane_spec.bench.suffix_baseline import SuffixDecodingBaseline
+    from ane_spec.decode.drafter import DraftMemory, NgramDrafter
 
     streams = load_streams(args.streams) if args.streams else builtin_streams(args.per_family)
+    ngrams = {"ngram_min": args.ngram_min, "ngram_max": args.ngram_max}
     drafters = {
-        "ane-spec": lambda: NgramDrafter(ngram_min=args.ngram_min, ngram_max=args.ngram_max),
-        "vllm-ngram": lambda: VllmNgramBaseline(ngram_min=args.ngram_min,
-                                                ngram_max=args.ngram_max),
+        "ane-spec": lambda: NgramDrafter(**ngrams),
+        "ane-spec cross-request": CrossRequest(lambda: NgramDrafter(
+            **ngrams, memory=DraftMemory(args.memory_tokens, ngram_max=args.ngram_max))),
+        "suffix-decoding": CrossRequest(SuffixDecodingBaseline),
+        "vllm-ngram": lambda: VllmNgramBaseline(**ngrams),
     }
     result = run_drafter_bench(streams, drafters, k=3, fill=args.fill)
-    print(json.dumps(result) if args.json else format_markdown(result))
-    lost = losses(result, "ane-spec", "vllm-ngram")
-    if lost:
-        print(f"ane-spec drafter loses to the baseline on: {lost}", file=sys.stderr)
-    return 1 if lost else 0
+    print(json.dumps(result) if args.json
+          else format_side_by_side(result) + "\n" + format_markdown(result))
+    # The verdict is the pooled figure: with a few streams per family (the default is 4) one
+    # family's figure is a handful of requests; scripts/bench_drafter.py judges every family on
+    # 60 streams each.
+    failed = False
+    for ours, base in (("ane-spec", "vllm-ngram"), ("ane-spec cross-request", "suffix-decoding")):
+        lost = losses(result, ours, base)
+        if lost:
+            print(f"{ours} has fewer tokens per pass than {base} on: " + ", ".join(
+                f"{f} ({a:.3f} < {b:.3f})" for f, (a, b) in lost.items()), file=sys.stderr)
+        failed |= "overall" in lost
+    return 1 if failed else 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -294,7 +309,10 @@ def _serve_config(args: argparse.Namespace):
         ngram_max=args.ngram_max, guard=not args.no_guard,
         max_body_bytes=args.max_body_bytes, verify=not args.no_verify,
         model_name=args.model_name, log_level=args.log_level,
-        allowed_origins=args.allowed_origins)
+        allowed_origins=args.allowed_origins,
+        kv_slots=args.kv_slots, slot_spill_mb=args.slot_spill_mb,
+        slot_save_path=args.slot_save_path, draft_memory=args.draft_memory,
+        draft_memory_tokens=args.draft_memory_tokens)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -337,6 +355,18 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "'*' for any; off by default: any web page could drive the model")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--kv-slots", type=int,
+                   help="conversations kept resident at once (default: from the build's state "
+                        "size and this machine's memory, printed at start)")
+    p.add_argument("--slot-spill-mb", type=int,
+                   help="host memory for evicted slots' K/V (default: 1/8 of RAM; 0: drop them)")
+    p.add_argument("--slot-save-path", help="folder for POST /slots/ID?action=save|restore; "
+                                            "slots saved there are loaded at start")
+    p.add_argument("--draft-memory", choices=["per-key", "shared", "off"],
+                   help="draft from earlier requests of the same API key + user, of everyone, "
+                        "or not at all (default: per-key with an API key, else shared)")
+    p.add_argument("--draft-memory-tokens", type=int,
+                   help="tokens of earlier requests remembered per scope (default 65536)")
     _add_backend_args(p)
 
 
@@ -456,11 +486,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_backend_args(p)
     p.set_defaults(handler=cmd_sweep)
 
-    p = sub.add_parser("bench-drafter", help="replay token streams: n-gram drafter vs a "
-                                             "vLLM-style baseline, model-free")
-    p.add_argument("--streams", help="JSONL of {family, prompt, output} (default: built-in)")
+    p = sub.add_parser("bench-drafter", help="replay token streams model-free: the n-gram "
+                                             "drafter per request and across requests vs "
+                                             "vLLM's and SuffixDecoding's rules")
+    p.add_argument("--streams", help="JSONL of {family, prompt, output} (default: built-in); a "
+                                     "family's streams replay in file order")
     p.add_argument("--per-family", type=int, default=4)
     _add_ngram_args(p)
+    p.add_argument("--memory-tokens", type=int, default=65536,
+                   help="the cross-request drafter's memory of earlier requests")
     p.add_argument("--fill", action="store_true", help="fill drafts to 3 (the ANE policy)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_bench_drafter)

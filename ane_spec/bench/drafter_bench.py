@@ -28,6 +28,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,11 +38,44 @@ from ane_spec.decode.drafter import Drafter
 from ane_spec.errors import AneSpecError
 
 __all__ = [
-    "VllmNgramBaseline", "format_markdown", "format_timing_markdown", "losses", "replay",
-    "run_drafter_bench", "time_drafts",
+    "CrossRequest", "TokenBuffer", "VllmNgramBaseline", "format_markdown", "format_side_by_side",
+    "format_timing_markdown", "losses", "replay", "run_drafter_bench", "time_drafts",
+    "time_steps",
 ]
 
 DrafterFactory = Callable[[], Drafter]
+
+
+@dataclass(frozen=True)
+class CrossRequest:
+    """A factory whose drafter replays every stream of a family, in order: one instance per
+    family, so it may remember earlier requests (its `reset` starts the next one)."""
+
+    factory: DrafterFactory
+
+
+class TokenBuffer:
+    """A growing int64 array: amortised O(1) appends, O(1) views (the baselines' contexts)."""
+
+    def __init__(self, tokens: Sequence[int] | np.ndarray = ()) -> None:
+        self._buf = np.zeros(max(1024, 2 * len(tokens)), dtype=np.int64)
+        self._len = 0
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int] | np.ndarray) -> None:
+        n = len(tokens)
+        if self._len + n > len(self._buf):
+            grown = np.zeros(max(2 * len(self._buf), self._len + n), dtype=np.int64)
+            grown[:self._len] = self._buf[:self._len]
+            self._buf = grown
+        self._buf[self._len:self._len + n] = tokens
+        self._len += n
+
+    def view(self) -> np.ndarray:
+        return self._buf[:self._len]
+
+    def __len__(self) -> int:
+        return self._len
 
 
 class VllmNgramBaseline:
@@ -58,32 +92,24 @@ class VllmNgramBaseline:
                                f"got {ngram_min}, {ngram_max}")
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
-        self._buf = np.zeros(1024, dtype=np.int64)
-        self._len = 0
+        self._context = TokenBuffer()
 
     def __repr__(self) -> str:
         return f"VllmNgramBaseline(ngram_min={self.ngram_min}, ngram_max={self.ngram_max})"
 
     def reset(self, prompt_tokens: Sequence[int]) -> None:
-        self._len = 0
-        self.append(prompt_tokens)
+        self._context = TokenBuffer(prompt_tokens)
 
     def append(self, tokens: Sequence[int]) -> None:
-        n = len(tokens)
-        if self._len + n > len(self._buf):
-            grown = np.zeros(max(2 * len(self._buf), self._len + n), dtype=np.int64)
-            grown[: self._len] = self._buf[: self._len]
-            self._buf = grown
-        self._buf[self._len: self._len + n] = tokens
-        self._len += n
+        self._context.extend(tokens)
 
     def draft(self, k: int, *, fill: bool = False) -> list[int]:
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise AneSpecError(f"draft: k must be a non-negative integer, got {k!r}")
-        L = self._len
+        h = self._context.view()
+        L = len(h)
         if k == 0 or L < self.ngram_min + 1:
             return []
-        h = self._buf[:L]
         # Occurrence ends e in [0, L-2] (each has a successor); run[e] stays true while
         # h[e - j] == h[L - 1 - j] for j = 0..n-1, so `length` is the match length at e, capped.
         ends = L - 1
@@ -160,9 +186,11 @@ def _quantile(sorted_values: Sequence[float], q: float) -> float:
     return float(sorted_values[idx])
 
 
-def run_drafter_bench(streams: Sequence[Stream], drafters: Mapping[str, DrafterFactory], k: int = 3,
+def run_drafter_bench(streams: Sequence[Stream],
+                      drafters: Mapping[str, DrafterFactory | CrossRequest], k: int = 3,
                       fill: bool = False) -> dict[str, Any]:
-    """Replay every stream with a fresh drafter from each factory.
+    """Replay every stream with a fresh drafter from each factory (a `CrossRequest` factory:
+    one drafter per family, through its streams in order).
 
     Returns ``{"k", "fill", "families": [...], "drafters": {name: {"families": {family:
     metrics}, "overall": metrics}}}`` where metrics holds tokens_per_pass, hit_rate, acceptance,
@@ -178,8 +206,15 @@ def run_drafter_bench(streams: Sequence[Stream], drafters: Mapping[str, DrafterF
     out: dict[str, Any] = {"k": k, "fill": fill, "families": families, "drafters": {}}
     for name, factory in drafters.items():
         per_family: dict[str, list[dict]] = {f: [] for f in families}
+        kept: dict[str, Drafter] = {}
         for s in streams:
-            per_family[s.family].append(replay(factory(), s, k=k, fill=fill))
+            if isinstance(factory, CrossRequest):
+                if s.family not in kept:
+                    kept[s.family] = factory.factory()
+                drafter = kept[s.family]
+            else:
+                drafter = factory()
+            per_family[s.family].append(replay(drafter, s, k=k, fill=fill))
         out["drafters"][name] = {
             "families": {f: _metrics(parts) for f, parts in per_family.items()},
             "overall": _metrics([p for parts in per_family.values() for p in parts]),
@@ -216,6 +251,21 @@ def format_markdown(result: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def format_side_by_side(result: Mapping[str, Any]) -> str:
+    """Tokens per pass, a row per family (then overall) and a column per drafter."""
+    names = list(result["drafters"])
+    lines = [f"tokens per pass, k={result['k']}, fill={'on' if result['fill'] else 'off'}", "",
+             "| family | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for f in [*result["families"], "overall"]:
+        cells = []
+        for name in names:
+            res = result["drafters"][name]
+            m = res["overall"] if f == "overall" else res["families"][f]
+            cells.append(f"{m['tokens_per_pass']:.3f}")
+        lines.append(f"| {f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 # -- draft latency at a given history length ------------------------------------------------------
 
 def time_drafts(factory: DrafterFactory, history: Sequence[int], sizes: Sequence[int], *,
@@ -244,6 +294,31 @@ def time_drafts(factory: DrafterFactory, history: Sequence[int], sizes: Sequence
         out[size] = {"median_us": statistics.median(times) / 1e3,
                      "p99_us": _quantile(times, 0.99) / 1e3}
     return out
+
+
+def time_steps(factory: DrafterFactory, history: Sequence[int], size: int, *,
+               memory: Sequence[Sequence[int]] = (), k: int = 3,
+               steps: int = 2000) -> dict[str, float]:
+    """µs per decoding step, `append` of one committed token + `draft(k)`, once the drafter
+    holds `size` tokens of `history` and, first, the earlier requests in `memory` (each reset
+    with one of them, so a drafter with a `DraftMemory` remembers them; see `reset`)."""
+    if len(history) < size + steps:
+        raise AneSpecError(f"time_steps: need {size + steps} history tokens, got {len(history)}")
+    d = factory()
+    for request in memory:
+        d.reset(list(request))
+    d.reset(list(history[:size]))
+    d.draft(k)
+    times = []
+    clock = time.perf_counter_ns
+    for i in range(steps):
+        token = history[size + i: size + i + 1]
+        t0 = clock()
+        d.append(token)
+        d.draft(k)
+        times.append(clock() - t0)
+    times.sort()
+    return {"median_us": statistics.median(times) / 1e3, "p99_us": _quantile(times, 0.99) / 1e3}
 
 
 def format_timing_markdown(timings: Mapping[str, Mapping[int, Mapping[str, float]]]) -> str:

@@ -16,6 +16,11 @@ standard library (source files and docstrings), so they need no download and no 
 * ``chat``: a multi-turn transcript (Phi-4-mini chat markers) about stdlib functions whose last
   assistant turn summarises earlier answers, reusing their phrases.
 
+The last three families (``agent-loop``, ``file-edits``, ``chat-recall``) come in sessions of
+requests where a later output repeats what an earlier request saw or wrote: see
+`ane_spec.bench.session_streams`. Replay a family's streams in order to measure a drafter that
+remembers earlier requests.
+
 The outputs are constructed, not sampled from a model: they show how a drafter ranks on each kind
 of overlap, not what acceptance a given model will reach. Selection is deterministic for a given
 Python installation, across processes (seeded `random.Random`, sorted names, no object
@@ -49,7 +54,8 @@ __all__ = [
     "stdlib_token_history", "synthetic_tokenizer",
 ]
 
-FAMILIES = ("code", "code-edit", "quote", "structured", "chat")
+FAMILIES = ("code", "code-edit", "quote", "structured", "chat", "agent-loop", "file-edits",
+            "chat-recall")
 
 # Modules present in every CPython >= 3.10 with plenty of source and prose.
 _MODULES = (
@@ -329,14 +335,19 @@ def builtin_texts(per_family: int = 4, *, seed: int = 0,
     """(family, prompt text, output text) for the built-in streams, deterministic per seed."""
     if per_family < 1:
         raise AneSpecError(f"per_family must be >= 1, got {per_family}")
-    unknown = [f for f in families if f not in _BUILDERS]
+    from ane_spec.bench.session_streams import SESSION_FAMILIES, session_text
+
+    unknown = [f for f in families if f not in _BUILDERS and f not in SESSION_FAMILIES]
     if unknown:
         raise AneSpecError(f"unknown stream families {unknown}; known: {', '.join(FAMILIES)}")
     out = []
     for family in families:
         for i in range(per_family):
-            rng = random.Random(f"{family}:{seed}:{i}")
-            prompt, output = _BUILDERS[family](rng, i, seed)
+            if family in SESSION_FAMILIES:
+                prompt, output = session_text(family, i, seed)
+            else:
+                rng = random.Random(f"{family}:{seed}:{i}")
+                prompt, output = _BUILDERS[family](rng, i, seed)
             out.append((family, prompt, output))
     return out
 

@@ -13,12 +13,13 @@ import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -27,7 +28,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ane_spec import __version__
 from ane_spec.model.chat import PHI4_MINI_CHAT_TEMPLATE
 from ane_spec.daemon.config import ServeConfig
-from ane_spec.daemon.engine import Engine, Job, NotReady, QueueFull, WorkItem
+from ane_spec.daemon.draft_scopes import scope_of
+from ane_spec.daemon.engine import Engine, Job, NotReady, QueueFull, SlotAction, WorkItem
 from ane_spec.daemon.metrics import CONTENT_TYPE
 from ane_spec.daemon.protocol import (
     RANDOM_SEED, SEED_MAX, ChatCompletionRequest, ChatMessage, CompletionRequest,
@@ -53,6 +55,14 @@ CORS_HEADERS = ["Authorization", "Content-Type", "Accept", "OpenAI-Organization"
                 "X-Stainless-Runtime-Version", "X-Stainless-Retry-Count", "X-Stainless-Timeout"]
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SLOT_ACTIONS = ("save", "restore", "erase")
+
+
+class SlotActionBody(BaseModel):
+    """POST /slots/{id}?action=save|restore|erase (llama-server's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+    filename: str | None = None
 
 
 class BadRequest(Exception):
@@ -423,7 +433,8 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
                            "frequency_penalty": 0.0, "ignore_eos": False, "stop": [],
                            "samplers": ["penalties", "temperature", "top_k", "top_p",
                                         "min_p"]}},
-            "total_slots": 1, "model_path": engine.model_id, "model_alias": engine.model_id,
+            "total_slots": engine.kv_slots, "model_path": engine.model_id,
+            "model_alias": engine.model_id,
             "chat_template": tok.data.chat_template or PHI4_MINI_CHAT_TEMPLATE,
             "bos_token": _token_text(tok, tok.bos_token_id, ""),
             "eos_token": _token_text(tok, tok.eos_token_id, ""),
@@ -456,6 +467,39 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
                  "build whose shards return next-token logits, not pooled embeddings",
             "not_implemented_error", code="not_implemented")
 
+    @app.get("/slots")
+    async def slots() -> Response:
+        if engine.status != "ready" or engine.slots is None:
+            return error_response(503, str(engine.not_ready()), "server_error",
+                                  code="unavailable")
+        return JSONResponse(engine.slots.snapshot())
+
+    @app.post("/slots/{slot_id}")
+    async def slot_action(slot_id: int, action: str,
+                          body: SlotActionBody | None = None) -> Response:
+        if action not in SLOT_ACTIONS:
+            return error_response(400, f"action must be one of {', '.join(SLOT_ACTIONS)}, got "
+                                       f"{action!r}", param="action")
+        if action == "restore" and not (body and body.filename):
+            return error_response(400, "restore needs a filename: {\"filename\": \"NAME\"}",
+                                  param="filename")
+        try:
+            job = engine.submit(SlotAction(action, slot_id, body.filename if body else None),
+                                asyncio.get_running_loop())
+        except NotReady as exc:
+            return error_response(503, str(exc), "server_error", code="unavailable")
+        except QueueFull as exc:
+            return error_response(429, str(exc), "rate_limit_error", code="queue_full",
+                                  headers={"Retry-After": "1"})
+        event, payload = await job.events.get()
+        if event == "error":
+            status, message = payload
+            return error_response(status, message, "server_error" if status >= 500
+                                  else "invalid_request_error")
+        if payload is None:
+            return error_response(503, "the server is shutting down", "server_error")
+        return JSONResponse(payload)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await generate(request, body, "chat")
@@ -470,6 +514,8 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
             if engine.status != "ready":
                 raise engine.not_ready()
             plan = await anyio.to_thread.run_sync(prepare, engine, body, kind)
+            plan = replace(plan, item=replace(plan.item, scope=scope_of(
+                config.draft_memory_mode, request.headers.get("authorization"), body.user)))
             job = engine.submit(plan.item, asyncio.get_running_loop())
         except BadRequest as exc:
             metrics.request(kind, "rejected_invalid")

@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ane_spec.daemon.draft_scopes import DraftMemoryMode
+from ane_spec.decode.draft_memory import DEFAULT_MEMORY_TOKENS
 from ane_spec.decode.drafter import NgramDrafter
 from ane_spec.errors import AneSpecError
 from ane_spec.runtime.backend import default_backend_name
@@ -63,6 +65,14 @@ class ServeConfig(BaseModel):
     # Browser origins allowed to call the API (CORS): none by default, since any web page the
     # user opens could otherwise drive a local model; ("*",) allows every origin.
     allowed_origins: tuple[str, ...] = ()
+    # KV slots (daemon/slots.py). None: chosen from the build's state size and the machine's
+    # memory (daemon/slot_budget.py), reported at start and in /health.
+    kv_slots: int | None = Field(None, ge=1, le=64)
+    slot_spill_mb: int | None = Field(None, ge=0)  # host memory for spilled slots; 0: none
+    slot_save_path: Path | None = None  # /slots save|restore, and saved slots loaded at start
+    # Cross-request drafting (daemon/draft_scopes.py). None: per-key with an API key, else shared.
+    draft_memory: DraftMemoryMode | None = None
+    draft_memory_tokens: int = Field(DEFAULT_MEMORY_TOKENS, ge=1024, le=1 << 22)
     # --- test-only knobs: never set these in production --------------------------------------
     # Sleep before every pass through the shards, to make generations slow enough for tests of
     # queueing and client disconnects.
@@ -96,6 +106,9 @@ class ServeConfig(BaseModel):
         if self.ngram_max < self.ngram_min:
             raise ValueError(f"ngram_max ({self.ngram_max}) must be >= ngram_min "
                              f"({self.ngram_min})")
+        if self.slot_save_path is not None and self.slot_save_path.exists() \
+                and not self.slot_save_path.is_dir():
+            raise ValueError(f"slot_save_path: {self.slot_save_path} is not a directory")
         if not is_loopback(self.host) and self.api_key is None:
             raise ValueError(
                 f"refusing to serve on {self.host!r} without an API key: anything that can reach "
@@ -120,3 +133,10 @@ class ServeConfig(BaseModel):
     @property
     def public(self) -> bool:
         return not is_loopback(self.host)
+
+    @property
+    def draft_memory_mode(self) -> DraftMemoryMode:
+        """--draft-memory, or its default: per-key once an API key guards the server."""
+        if self.draft_memory is not None:
+            return self.draft_memory
+        return "per-key" if self.api_key is not None else "shared"

@@ -5,9 +5,16 @@ it first warms every shard (and measures what the decode engine needs), then tak
 arrival order. The event loop only enqueues jobs and reads their events, so health and metrics
 answer while a generation runs.
 
-The worker keeps one `DecodeSession` for the whole process: its KV cache holds the last
-conversation, so a request whose prompt extends it prefills only the new tokens, and any other
-prompt reuses just the common prefix (K/V at slot i depend only on tokens 0..i, so that is exact).
+The worker keeps one `DecodeSession` for the whole process and runs each request on one of
+`--kv-slots` KV caches (`slots.SlotManager`): the one holding the conversation it continues, so
+it prefills only the new tokens, or, when none does, the least recently used one (whose old
+conversation is spilled to host memory, not lost). K/V at position i depend only on tokens
+0..i, so reusing a prefix is exact and the output does not depend on the slot.
+
+The drafter remembers earlier requests (`DraftMemory`, one per `--draft-memory` scope) but
+drafts from them only where drafts cannot change the output: greedy decoding in the fixed
+decode shape (exact by construction), or sampling without a seed. A seeded sample depends on
+the drafts' random draws, so it drafts from its own text alone and stays reproducible.
 """
 
 from __future__ import annotations
@@ -31,7 +38,10 @@ from ane_spec.probes.gates import open_pipeline
 from ane_spec.runtime.pipeline import ShardPipeline
 
 from ane_spec.daemon.config import ServeConfig
+from ane_spec.daemon.draft_scopes import DraftMemories
 from ane_spec.daemon.metrics import Metrics
+from ane_spec.daemon.slot_budget import slot_budget
+from ane_spec.daemon.slots import SlotManager, SlotNotFound
 
 log = logging.getLogger("ane_spec.daemon")
 
@@ -58,6 +68,16 @@ class WorkItem:
     ngram_min: int
     ngram_max: int
     endpoint: str  # "chat" or "completions", for metrics
+    scope: str | None = None  # the --draft-memory scope (None: shared by everyone)
+
+
+@dataclass(frozen=True)
+class SlotAction:
+    """A /slots action, run by the worker between generations: save, restore or erase."""
+
+    action: str
+    slot_id: int
+    filename: str | None = None
 
 
 class Job:
@@ -65,7 +85,7 @@ class Job:
     event loop: ("text", str) pieces, then ("done", GenerationResult | None) — None when it was
     cancelled before it ran — or ("error", (status, message))."""
 
-    def __init__(self, item: WorkItem, loop: asyncio.AbstractEventLoop):
+    def __init__(self, item: WorkItem | SlotAction, loop: asyncio.AbstractEventLoop):
         self.item = item
         self.loop = loop
         self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -134,6 +154,16 @@ class Engine:
         self.warmup = Warmup()
         self.session: DecodeSession | None = None
         self.fill_drafts: bool | None = None
+        self.budget = slot_budget(pipeline.manifest)
+        self.kv_slots = config.kv_slots or self.budget.default_slots
+        self.spill_bytes = (self.budget.spill_bytes if config.slot_spill_mb is None
+                            else config.slot_spill_mb << 20)
+        self.slots: SlotManager | None = None
+        self.memories = DraftMemories(config.draft_memory_mode, config.draft_memory_tokens,
+                                      config.ngram_max)
+        log.info("%s; serving with %d KV slot%s, %.0f MiB for spilled slots, draft memory %s",
+                 self.budget.summary(), self.kv_slots, "" if self.kv_slots == 1 else "s",
+                 self.spill_bytes / 2**20, config.draft_memory_mode)
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._running: Job | None = None
@@ -160,7 +190,7 @@ class Engine:
 
     # --- requests (event loop side) -------------------------------------------------------
 
-    def submit(self, item: WorkItem, loop: asyncio.AbstractEventLoop) -> Job:
+    def submit(self, item: WorkItem | SlotAction, loop: asyncio.AbstractEventLoop) -> Job:
         """Queue a request, or refuse it at once: NotReady (warming, failed, stopping) or
         QueueFull (max_queue requests already wait behind the running one)."""
         if self.status != "ready" or self._stopping.is_set():
@@ -227,7 +257,16 @@ class Engine:
                        "decode_shape": self.pipeline.decode_shape,
                        "speculative": self.config.speculative, "guard": self.config.guard,
                        "guard_margin": self.session.guard_margin if self.session else None,
-                       "fill_drafts": self.fill_drafts}
+                       "fill_drafts": self.fill_drafts, "kv_slots": self.slot_health(),
+                       "draft_memory": self.memories.stats()}
+
+    def slot_health(self) -> dict[str, Any]:
+        snap = self.slots.snapshot() if self.slots else {}
+        return {"resident": self.kv_slots, "resident_fit": self.budget.ane_slots,
+                "state_bytes_per_slot": self.budget.state_bytes,
+                "spill_budget_bytes": self.spill_bytes,
+                "spilled": snap.get("spilled", 0), "spill_bytes": snap.get("spill_bytes", 0),
+                "budget": self.budget.to_dict()}
 
     def gauges(self) -> dict[str, Any]:
         w = self.warmup
@@ -235,7 +274,8 @@ class Engine:
                 "context": self.context, "ready": self.status == "ready",
                 "warmup_progress": w.done / w.total, "warmup_seconds": w.seconds,
                 "queue_depth": self.queue_depth, "queue_capacity": self.config.max_queue,
-                "busy": self.busy}
+                "busy": self.busy, "slots": self.slots.snapshot() if self.slots else None,
+                "draft_memory": self.memories.stats()}
 
     # --- the worker thread ----------------------------------------------------------------
 
@@ -271,11 +311,33 @@ class Engine:
         if job.cancelled.is_set():
             job.post("done", None)
             return
-        item, session = job.item, self.session
-        assert session is not None
+        if isinstance(job.item, SlotAction):
+            return self._slot_action(job)
+        item, session, slots = job.item, self.session, self.slots
+        assert session is not None and slots is not None
         drafter = session.drafter
         if (drafter.ngram_min, drafter.ngram_max) != (item.ngram_min, item.ngram_max):
             session.drafter = NgramDrafter(ngram_min=item.ngram_min, ngram_max=item.ngram_max)
+        memory = self.memories.get(item.scope)
+        sampling = item.options.sampling
+        output_safe = (self.pipeline.decode_shape == "fixed" if sampling.greedy
+                       else sampling.seed is None)
+        session.drafter.memory = memory if output_safe else None
+        try:
+            slot = slots.acquire(item.prompt, item.scope)
+        except Exception as exc:  # noqa: BLE001 - one request must never take the worker down
+            log.exception("choosing a KV slot failed")
+            job.post("error", (500, f"internal error choosing a KV slot ({type(exc).__name__})"))
+            return
+        session.use_slot(slot.state, slot.tokens)
+        try:
+            self._generate(job, session)
+        finally:
+            slots.release(slot, session.kv_tokens, len(item.prompt))
+            session.drafter.finish(into=memory)
+
+    def _generate(self, job: Job, session: DecodeSession) -> None:
+        item = job.item
 
         def on_text(piece: str) -> bool:
             if job.first_text is None:
@@ -345,8 +407,35 @@ class Engine:
             paced, drafter=NgramDrafter(ngram_min=self.config.ngram_min,
                                         ngram_max=self.config.ngram_max),
             fill_drafts=self.fill_drafts)
+        self.slots = SlotManager(p, self.kv_slots, self.spill_bytes, self.metrics.slot_event,
+                                 states=[self.session.state])
+        save_dir = self.config.slot_save_path
+        if save_dir is not None:
+            save_dir.mkdir(parents=True, exist_ok=True)
+            loaded = self.slots.load_saved(save_dir)
+            log.info("restored %d saved slot%s from %s%s", len(loaded),
+                     "" if len(loaded) == 1 else "s", save_dir,
+                     f": {', '.join(loaded)}" if loaded else "")
         self.warmup.step = "done"
         self.warmup.finished = time.perf_counter()
+
+    def _slot_action(self, job: Job) -> None:
+        item, slots, where = job.item, self.slots, self.config.slot_save_path
+        assert isinstance(item, SlotAction) and slots is not None
+        try:
+            if item.action == "save":
+                result = slots.save(item.slot_id, where, item.filename)
+            elif item.action == "restore":
+                result = slots.restore(item.slot_id, where, item.filename or "")
+            else:
+                result = slots.erase(item.slot_id)
+        except AneSpecError as exc:  # a bad id or name, a refused file: the client's to fix
+            job.post("error", (404 if isinstance(exc, SlotNotFound) else 400, str(exc)))
+            return
+        except OSError as exc:
+            job.post("error", (500, f"slot {item.action} failed: {exc}"))
+            return
+        job.post("done", result)
 
     def _warm_shard(self, t: int, k: int, state) -> None:  # noqa: ANN001
         p = self.pipeline

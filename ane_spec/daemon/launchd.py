@@ -50,9 +50,14 @@ def serve_arguments(config: ServeConfig, python: str | None = None) -> list[str]
              "precision": "--precision", "decode_shape": "--decode-shape",
              "max_queue": "--max-queue", "ngram_min": "--ngram-min",
              "ngram_max": "--ngram-max", "max_body_bytes": "--max-body-bytes",
-             "model_name": "--model-name", "log_level": "--log-level"}
+             "model_name": "--model-name", "log_level": "--log-level",
+             "kv_slots": "--kv-slots", "slot_spill_mb": "--slot-spill-mb",
+             "slot_save_path": "--slot-save-path", "draft_memory": "--draft-memory",
+             "draft_memory_tokens": "--draft-memory-tokens"}
     for field, flag in flags.items():
         value = getattr(config, field)
+        if field == "slot_save_path" and value is not None:  # launchd runs from $HOME
+            value = Path(value).expanduser().resolve()
         if field == "backend" or value != fields[field].get_default(call_default_factory=True):
             args += [flag, str(value)]
     for field, flag in (("speculative", "--no-speculative"), ("guard", "--no-guard"),

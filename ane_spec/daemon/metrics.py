@@ -17,6 +17,25 @@ from ane_spec.decode.metrics import RequestStats
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
+# daemon/slots.py events: (counter name, help)
+SLOT_COUNTERS = {
+    "hit": ("ane_spec_slot_hits_total",
+            "Requests served by a cached conversation they continue (resident or restored)."),
+    "miss": ("ane_spec_slot_misses_total",
+             "Requests that found no conversation to continue and took the LRU slot."),
+    "spill": ("ane_spec_slot_spills_total",
+              "Conversations copied to host memory when their slot was taken."),
+    "restore": ("ane_spec_slot_restores_total",
+                "Spilled conversations written back into a slot for a request."),
+    "copy": ("ane_spec_slot_copies_total",
+             "Shared prefixes copied from another conversation into a cold request's slot."),
+    "drop": ("ane_spec_slot_drops_total",
+             "Conversations dropped: over the spill budget (or spilling turned off)."),
+    "save": ("ane_spec_slot_saves_total", "Slots saved to --slot-save-path."),
+    "load": ("ane_spec_slot_loads_total",
+             "Slots loaded from --slot-save-path (at start or by /slots restore)."),
+}
+
 # outcome of a generation request, as counted by ane_spec_requests_total
 OUTCOMES = ("completed", "cancelled", "failed", "rejected_queue_full", "rejected_warming",
             "rejected_invalid", "rejected_unauthorized")
@@ -53,6 +72,7 @@ class Metrics:
         self.ttft_sum = 0.0
         self.ttft_count = 0
         self.last_decode_tok_s = 0.0
+        self.slot_events: Counter[str] = Counter()  # daemon/slots.py EVENTS
 
     def request(self, endpoint: str, outcome: str) -> None:
         with self._lock:
@@ -79,6 +99,10 @@ class Metrics:
             s["host"] += stats.host_seconds
             if stats.decode_seconds > 0:
                 self.last_decode_tok_s = stats.pass_tokens / stats.decode_seconds
+
+    def slot_event(self, event: str) -> None:
+        with self._lock:
+            self.slot_events[event] += 1
 
     def time_to_first_token(self, seconds: float) -> None:
         with self._lock:
@@ -111,6 +135,7 @@ class Metrics:
             t, s = dict(self.tokens), dict(self.seconds)
             buckets, ttft_sum, ttft_count = list(self.ttft_buckets), self.ttft_sum, self.ttft_count
             last = self.last_decode_tok_s
+            slot_events = dict(self.slot_events)
         g = lambda k: t.get(k, 0)  # noqa: E731
         metric("ane_spec_info", "gauge", "The served model and backend.",
                [({"model": live["model"], "backend": live["backend"],
@@ -161,6 +186,23 @@ class Metrics:
                ratio(g("accepted"), g("drafted")))
         metric("ane_spec_guard_interventions_total", "counter",
                "Rows recomputed at T=1 by the exactness guard.", g("guard"))
+        for event, (counter, help_) in SLOT_COUNTERS.items():
+            metric(counter, "counter", help_, slot_events.get(event, 0))
+        slots = live.get("slots")
+        if slots:
+            metric("ane_spec_slots_resident", "gauge", "Resident KV slots (--kv-slots).",
+                   slots["resident_slots"])
+            metric("ane_spec_slots_in_use", "gauge", "Resident KV slots holding a conversation.",
+                   sum(r["state"] == "resident" for r in slots["slots"]))
+            metric("ane_spec_slots_spilled", "gauge",
+                   "Conversations whose KV rows are spilled to host memory.", slots["spilled"])
+            metric("ane_spec_slot_spill_bytes", "gauge", "Host memory held by spilled slots.",
+                   slots["spill_bytes"])
+        memory = live.get("draft_memory")
+        if memory:
+            metric("ane_spec_draft_memory_tokens", "gauge",
+                   "Tokens of earlier requests the drafter remembers, over all scopes.",
+                   memory["tokens"])
         name = "ane_spec_time_to_first_token_seconds"
         out.append(f"# HELP {name} Time from request arrival to the first generated text.")
         out.append(f"# TYPE {name} histogram")

@@ -1,5 +1,5 @@
 """Decoding: sessions, block verification, the exactness guard, drafters, sampling."""
 
-from ane_spec.decode.drafter import Drafter, NgramDrafter
+from ane_spec.decode.drafter import Drafter, DraftMemory, NgramDrafter
 
-__all__ = ["Drafter", "NgramDrafter"]
+__all__ = ["DraftMemory", "Drafter", "NgramDrafter"]

@@ -33,7 +33,7 @@ from ane_spec.decode.sampling import SamplingParams, sample, token_logprobs
 from ane_spec.decode.stops import StopMatcher
 from ane_spec.decode.verify import RowChooser, Verdict, verify_greedy, verify_sampled
 from ane_spec.errors import AneSpecError
-from ane_spec.runtime.pipeline import BlockOutput, ShardPipeline
+from ane_spec.runtime.pipeline import BlockOutput, PipelineState, ShardPipeline
 
 FinishReason = Literal["stop", "length", "context", "cancelled"]
 MAX_DRAFT = 3
@@ -124,6 +124,13 @@ class DecodeSession:
     def reset(self) -> None:
         """Forget the conversation (the next prompt starts writing at slot 0)."""
         self.kv_tokens = []
+
+    def use_slot(self, state: PipelineState, kv_tokens: list[int]) -> None:
+        """Continue on another cache: `state` holds the K/V of `kv_tokens` in slots 0..n-1
+        (the daemon keeps several). The next `generate` reuses its common prefix with the
+        prompt, exactly as it would this session's own cache."""
+        self.state = state
+        self.kv_tokens = list(kv_tokens)
 
     # --- internals ---------------------------------------------------------------------------
 

@@ -1,0 +1,81 @@
+"""A conversation's K/V states as host arrays: capture from a pipeline state, install into one.
+
+Only slots 0..n-1 of a conversation of n tokens mean anything (the session never trusts a slot
+past its tokens), so a capture keeps just those rows of the sequence axis: a 300-token chat in a
+2048-slot build costs 15% of the state. Installing writes them back and zeros the rest, which is
+what a fresh state holds there: a restored slot is "a fresh state plus the same tokens".
+
+Values are kept in the dtype the backend stores them in, so a capture and an install round-trip
+bit for bit: fp16 on Core ML (states are fp16 only) and in the interpreter's fp16 mode, float32
+in its fp32 mode. `LoadedProgram.read_state` returns float32 copies; converting back to the
+stored dtype is exact because every value came from it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ane_spec.runtime.pipeline import PipelineState, ShardPipeline
+
+# The layer graph's K/V states are [1, kv_heads, max_seq, head_dim] (shards/programs.py).
+SEQ_AXIS = 2
+
+
+@dataclass(frozen=True)
+class StateEntry:
+    shard: int
+    name: str
+    shape: tuple[int, ...]
+    seq_axis: int | None  # None: an unexpected shape, kept whole
+
+
+class StateLayout:
+    """Every state tensor of a pipeline, in one fixed order (shard, then its state names)."""
+
+    def __init__(self, pipeline: ShardPipeline):
+        self.pipeline = pipeline
+        self.max_seq = pipeline.max_seq
+        self.dtype = np.dtype(np.float32 if pipeline.backend.precision == "fp32" else np.float16)
+        specs = {(k, s.name): tuple(int(d) for d in s.shape)
+                 for k, shard in enumerate(pipeline.manifest.shards) for s in shard.states}
+        entries = []
+        for k, program in enumerate(pipeline.shards):
+            for name in program.state_names:
+                shape = specs[(k, name)]
+                axis = (SEQ_AXIS if len(shape) == 4 and shape[SEQ_AXIS] == self.max_seq
+                        else None)
+                entries.append(StateEntry(k, name, shape, axis))
+        self.entries: tuple[StateEntry, ...] = tuple(entries)
+
+    def shape(self, entry: StateEntry, n: int) -> tuple[int, ...]:
+        """The shape a capture of n tokens keeps of this state."""
+        if entry.seq_axis is None:
+            return entry.shape
+        return tuple(n if i == entry.seq_axis else d for i, d in enumerate(entry.shape))
+
+    def nbytes(self, n: int) -> int:
+        return sum(math.prod(self.shape(e, n)) for e in self.entries) * self.dtype.itemsize
+
+    def capture(self, state: PipelineState, n: int) -> list[np.ndarray]:
+        """Copies of the first n token rows of every state tensor."""
+        out = []
+        for e in self.entries:
+            program = self.pipeline.shards[e.shard]
+            full = program.read_state(state.shard_states[e.shard], e.name)
+            rows = full if e.seq_axis is None else full[:, :, :n]
+            out.append(np.ascontiguousarray(rows, dtype=self.dtype))
+        return out
+
+    def install(self, state: PipelineState, arrays: list[np.ndarray], n: int) -> None:
+        """Write captured rows into `state` (zeros past them)."""
+        for e, rows in zip(self.entries, arrays, strict=True):
+            program = self.pipeline.shards[e.shard]
+            if e.seq_axis is None:
+                full = rows
+            else:
+                full = np.zeros(e.shape, dtype=self.dtype)
+                full[:, :, :n] = rows
+            program.write_state(state.shard_states[e.shard], e.name, full)

@@ -1,0 +1,180 @@
+"""`--slot-save-path` files: one conversation's tokens and K/V rows, tied to the build that made
+them and to their own content hash.
+
+Layout: MAGIC, an 8-byte little-endian header length, the header (JSON), then the arrays' bytes
+in `StateLayout` order. The header names the build (model, context, every shard package's
+sha256), the backend, precision and decode shape the K/V were computed with, the tokens, and the
+sha256 of everything else in the file. K/V from another build or another backend would not be
+what this server computes for the same tokens, so such a file is refused, with a message saying
+which: "stale" (an earlier build of the same model), "foreign" (another model or context), or
+computed elsewhere. Every size comes from this server's own layout, never from the file, and
+only names matching NAME_PATTERN inside the save directory are read or written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ane_spec.daemon.kv_state import StateLayout
+from ane_spec.errors import AneSpecError
+
+MAGIC = b"ANE-SPEC-SLOT-1\n"
+SUFFIX = ".slot"
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_HEADER_SLACK = 1 << 16  # JSON around the tokens
+
+
+class SlotFileError(AneSpecError):
+    """A slot file cannot be used: not one, corrupt, stale, foreign, or a bad name."""
+
+
+class BuildIdentity(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    max_seq: int
+    packages: tuple[str, ...]
+    backend: str
+    precision: str | None
+    decode_shape: str
+
+
+class SlotHeader(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    build: BuildIdentity
+    dtype: str
+    tokens: list[int]
+    scope: str | None = None  # the --draft-memory scope (a hash, never a key) it belongs to
+    content_sha256: str
+
+
+class SlotContents(NamedTuple):
+    tokens: list[int]
+    arrays: list[np.ndarray]
+    scope: str | None
+
+
+def build_identity(layout: StateLayout) -> BuildIdentity:
+    p = layout.pipeline
+    return BuildIdentity(model=p.manifest.name, max_seq=p.max_seq,
+                         packages=tuple(s.file.sha256 for s in p.manifest.shards),
+                         backend=p.backend.name, precision=p.backend.precision,
+                         decode_shape=p.decode_shape)
+
+
+def slot_path(directory: Path, name: str) -> Path:
+    """DIR/NAME.slot for a plain name; anything that could leave DIR is refused."""
+    stem = name.removesuffix(SUFFIX)
+    if not NAME_PATTERN.fullmatch(stem):
+        raise SlotFileError(f"bad slot file name {name!r}: use 1-64 letters, digits, '.', '_' "
+                            "or '-', starting with a letter or digit")
+    path = directory / f"{stem}{SUFFIX}"
+    if path.is_symlink():
+        raise SlotFileError(f"{path} is a symbolic link; slot files must be plain files")
+    return path
+
+
+def save_slot(path: Path, layout: StateLayout, tokens: list[int], arrays: list[np.ndarray],
+              scope: str | None = None) -> int:
+    """Write atomically (a temp file renamed into place); returns the file's size."""
+    payload = b"".join(np.ascontiguousarray(a, dtype=layout.dtype).tobytes() for a in arrays)
+    if len(payload) != layout.nbytes(len(tokens)):
+        raise SlotFileError("the captured state does not match this build's layout")
+    header = {"build": build_identity(layout).model_dump(mode="json"),
+              "dtype": layout.dtype.name, "tokens": [int(t) for t in tokens], "scope": scope}
+    header["content_sha256"] = _content_hash(header, payload)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(MAGIC + struct.pack("<Q", len(head)) + head + payload)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return len(MAGIC) + 8 + len(head) + len(payload)
+
+
+def load_slot(path: Path, layout: StateLayout) -> SlotContents:
+    """The tokens, K/V rows and scope of a slot file made by this build on this backend, or
+    SlotFileError."""
+    where = path.name
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            prefix = fh.read(len(MAGIC) + 8)
+            if len(prefix) < len(MAGIC) + 8 or not prefix.startswith(MAGIC):
+                raise SlotFileError(f"{where}: not an ane-spec slot file")
+            (head_len,) = struct.unpack("<Q", prefix[len(MAGIC):])
+            if head_len > _HEADER_SLACK + 12 * layout.max_seq:
+                raise SlotFileError(f"{where}: corrupt (a {head_len}-byte header)")
+            raw = fh.read(head_len)
+            header = _parse_header(where, raw)
+            _check_build(where, header.build, build_identity(layout))
+            if header.dtype != layout.dtype.name:
+                raise SlotFileError(f"{where}: holds {header.dtype} states; this server keeps "
+                                    f"{layout.dtype.name}")
+            n = len(header.tokens)
+            if not 0 < n <= layout.max_seq:
+                raise SlotFileError(f"{where}: {n} tokens for a {layout.max_seq}-token context")
+            vocab = layout.pipeline.config.vocab_size
+            if any(not 0 <= t < vocab for t in header.tokens):
+                raise SlotFileError(f"{where}: token ids outside the vocabulary 0..{vocab - 1}")
+            want = layout.nbytes(n)
+            if size != len(prefix) + head_len + want:
+                raise SlotFileError(f"{where}: corrupt (the file is {size} bytes; "
+                                    f"{len(prefix) + head_len + want} expected)")
+            payload = fh.read(want)
+    except OSError as exc:
+        raise SlotFileError(f"cannot read slot file {where}: {exc}") from None
+    unsigned = header.model_dump(mode="json", exclude={"content_sha256"})
+    if _content_hash(unsigned, payload) != header.content_sha256:
+        raise SlotFileError(f"{where}: corrupt (its content hash does not match: edited or "
+                            "damaged)")
+    arrays, offset = [], 0
+    for e in layout.entries:
+        shape = layout.shape(e, n)
+        count = int(np.prod(shape))
+        arrays.append(np.frombuffer(payload, dtype=layout.dtype, count=count,
+                                    offset=offset).reshape(shape).copy())
+        offset += count * layout.dtype.itemsize
+    return SlotContents(header.tokens, arrays, header.scope)
+
+
+def _content_hash(header: dict, payload: bytes) -> str:
+    unsigned = {k: v for k, v in header.items() if k != "content_sha256"}
+    h = hashlib.sha256(json.dumps(unsigned, sort_keys=True, separators=(",", ":")).encode())
+    h.update(payload)
+    return h.hexdigest()
+
+
+def _parse_header(where: str, raw: bytes) -> SlotHeader:
+    try:
+        return SlotHeader.model_validate_json(raw)
+    except ValidationError:
+        raise SlotFileError(f"{where}: corrupt (unreadable header)") from None
+
+
+def _check_build(where: str, saved: BuildIdentity, mine: BuildIdentity) -> None:
+    if (saved.model, saved.max_seq) != (mine.model, mine.max_seq):
+        raise SlotFileError(
+            f"{where}: foreign: saved by model {saved.model!r} with a {saved.max_seq}-token "
+            f"context; this server runs {mine.model!r} with {mine.max_seq}")
+    if saved.packages != mine.packages:
+        raise SlotFileError(
+            f"{where}: stale: saved from another build of {mine.model!r} (its shard package "
+            "hashes differ from this build's); delete it, or save the slot again")
+    ran, runs = ((s.backend, s.precision, s.decode_shape) for s in (saved, mine))
+    if ran != runs:
+        raise SlotFileError(
+            f"{where}: computed on {' '.join(str(x) for x in ran if x)}; this server runs "
+            f"{' '.join(str(x) for x in runs if x)}, whose K/V for the same tokens differ")
