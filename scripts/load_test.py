@@ -119,7 +119,7 @@ class HealthProbe(threading.Thread):
                     r = client.get(f"{self.url}/health")
                     self.latencies.append(time.perf_counter() - t0)
                     body = r.json()
-                    if r.status_code != 200 or body.get("status") != "ready":
+                    if r.status_code != 200 or body.get("status") != "ok":
                         self.failures.append(f"{r.status_code} {body}")
                     self.busy_seen += bool(body.get("busy"))
                     self.max_queue_seen = max(self.max_queue_seen, body.get("queue_depth", 0))

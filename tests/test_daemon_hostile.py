@@ -157,3 +157,11 @@ def test_prompt_clients_are_served_on_one_connection(port: int) -> None:
             time.sleep(0.1)
             sock.sendall(REQUEST[10:])
             assert response(sock).startswith(b"HTTP/1.1 200 OK")
+
+
+def test_content_part_types_that_are_not_strings_are_refused() -> None:
+    """Found by test_daemon's hypothesis fuzz: {'type': []} crashed the validator (a 500)."""
+    for kind in ([], {}, 3, None):
+        with pytest.raises(ValidationError, match="string 'type'"):
+            ChatCompletionRequest.model_validate(
+                {"messages": [{"role": "user", "content": [{"type": kind, "text": "hi"}]}]})

@@ -34,7 +34,7 @@ def serving(artifacts: Path, **options) -> BackgroundServer:
                          log_level="warning", access_log=False, **options)
     server = BackgroundServer(config).start()
     deadline = time.monotonic() + 60
-    while httpx.get(f"{server.url}/health").json()["status"] != "ready":
+    while httpx.get(f"{server.url}/health").json()["status"] != "ok":
         assert time.monotonic() < deadline, "the server did not become ready"
         time.sleep(0.02)
     return server

@@ -192,10 +192,13 @@ def _content_parts(parts: list[Any]) -> list[TextPart]:
     out = []
     for part in parts:
         kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str):  # a hostile body may put anything here, e.g. a list
+            raise ValueError("each content part needs a string 'type' (only 'text' is supported)")
         if kind in _NOT_TEXT:
             raise ValueError(f"{_NOT_TEXT[kind]} are not supported: this model reads text only")
         if kind != "text":
-            raise ValueError(f"content parts of type {kind!r} are not supported (only 'text')")
+            raise ValueError(f"content parts of type {kind[:40]!r} are not supported (only "
+                             "'text')")
         out.append(TextPart.model_validate(part))
     return out
 
