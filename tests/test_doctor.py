@@ -20,6 +20,7 @@ CORE_ML_PROBES = {"neural-engine", "synthetic-t4 d1024 (Core ML)", "synthetic-t4
 CORE_ML_BUILD = {"residency", "cold-jit", "warm-latency", "peak-memory", "ane-vs-cpu"}
 CORE_ML_ONLY = CORE_ML_PROBES | CORE_ML_BUILD
 MODEL_CHECKS = {"row-invariance", "block", "drift", "parity"}
+BUILD_FIGURES = {"kv-slots"}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def test_without_a_build_runs_what_runs_here() -> None:
         assert checks[name].status == "skipped"
         assert checks[name].summary.startswith("unavailable: needs macOS 15 (this is linux)")
     assert "a Core ML check" in checks["synthetic-t4 phi (Core ML)"].summary
-    for name in MODEL_CHECKS | CORE_ML_BUILD:
+    for name in MODEL_CHECKS | CORE_ML_BUILD | BUILD_FIGURES:
         assert checks[name].status == "skipped" and checks[name].summary == (
             "needs --manifest (a build)")
 
@@ -73,7 +74,11 @@ def test_with_a_build_json_and_markdown(build_dir: Path, tmp_path: Path, capsys)
     for name in CORE_ML_ONLY:
         assert checks[name]["status"] == "skipped"
         assert checks[name]["summary"].startswith("unavailable: needs macOS 15"), checks[name]
-    assert out["counts"] == {"passed": 8, "failed": 0, "skipped": 8}
+    # The K/V states of one conversation against the ANE budget: S=256 tiny states are tiny.
+    assert checks["kv-slots"]["status"] == "passed"
+    assert checks["kv-slots"]["details"]["ane_slots"] > 100
+    assert "resident slots fit" in checks["kv-slots"]["summary"]
+    assert out["counts"] == {"passed": 9, "failed": 0, "skipped": 8}
 
     markdown = report.read_text()
     assert markdown.startswith("## ane-spec doctor") and "| parity | passed |" in markdown

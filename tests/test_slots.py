@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ane_spec.daemon.kv_state import StateLayout
-from ane_spec.daemon.slot_budget import ANE_PROCESS_BYTES, slot_budget, state_bytes
+from ane_spec.runtime.state_budget import ANE_PROCESS_BYTES, slot_budget, state_bytes
 from ane_spec.daemon.slot_files import (
     MAGIC, SlotFileError, _content_hash, load_slot, save_slot, slot_path,
 )

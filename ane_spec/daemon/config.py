@@ -66,7 +66,7 @@ class ServeConfig(BaseModel):
     # user opens could otherwise drive a local model; ("*",) allows every origin.
     allowed_origins: tuple[str, ...] = ()
     # KV slots (daemon/slots.py). None: chosen from the build's state size and the machine's
-    # memory (daemon/slot_budget.py), reported at start and in /health.
+    # memory (runtime/state_budget.py), reported at start and in /health.
     kv_slots: int | None = Field(None, ge=1, le=64)
     slot_spill_mb: int | None = Field(None, ge=0)  # host memory for spilled slots; 0: none
     slot_save_path: Path | None = None  # /slots save|restore, and saved slots loaded at start

@@ -40,7 +40,7 @@ from ane_spec.runtime.pipeline import ShardPipeline
 from ane_spec.daemon.config import ServeConfig
 from ane_spec.daemon.draft_scopes import DraftMemories
 from ane_spec.daemon.metrics import Metrics
-from ane_spec.daemon.slot_budget import slot_budget
+from ane_spec.runtime.state_budget import slot_budget
 from ane_spec.daemon.slots import SlotManager, SlotNotFound
 
 log = logging.getLogger("ane_spec.daemon")

@@ -375,6 +375,16 @@ def check_peak_memory(run: DoctorRun) -> Verdict:
                  f"at ~{ANE_PROCESS_LIMIT_GB:.0f} GB)", {"peak_rss_gb": round(gb, 3)})
 
 
+def check_kv_slots(run: DoctorRun) -> Verdict:
+    """How many conversations' K/V states `serve` can keep resident: counted against the ~3 GB
+    per-process ANE budget the seed log hit, and against host memory."""
+    from ane_spec.runtime.state_budget import slot_budget
+
+    budget = slot_budget(run.loaded.manifest)
+    status: Status = "passed" if budget.ane_slots >= 1 else "failed"
+    return Verdict(status, budget.summary(), budget.to_dict())
+
+
 CheckFn = Callable[[DoctorRun], Verdict]
 
 CHECKS: list[tuple[str, CheckFn]] = [
@@ -393,6 +403,7 @@ CHECKS: list[tuple[str, CheckFn]] = [
     ("drift", check_drift),
     ("parity", check_parity),
     ("peak-memory", check_peak_memory),
+    ("kv-slots", check_kv_slots),
     ("ane-vs-cpu", check_ane_vs_cpu),  # loads a CPU_ONLY copy: after peak-memory
 ]
 

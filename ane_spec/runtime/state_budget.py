@@ -1,8 +1,8 @@
 """How many conversations' K/V states fit: in the ANE's per-process budget and in host memory.
 
-Plain functions over a manifest, importable without the server's dependencies (FastAPI, uvicorn):
-`serve` chooses its default `--kv-slots` here and reports it at start and in /health, and
-`ane-spec doctor` can print the same figures.
+Plain functions over a manifest, below the daemon and the probes so both can use them: `serve`
+chooses its default `--kv-slots` here and reports it at start and in /health, and `ane-spec
+doctor` prints the same figures.
 
 A slot holds one conversation's states for every shard: per layer a K and a V state of shape
 [1, kv_heads, max_seq, head_dim], fp16 (the only state type Core ML has). Phi-4-mini at
