@@ -365,6 +365,7 @@ def export(args, model: TinyPhi3, data: dict, c: ModelConfig, steps: int, wall: 
     bits_per_byte = held_loss / math.log(2) * len(data["held"]) / data["held_bytes"]
     report = {
         "command": shlex.join(["python", *sys.argv]),
+        "arguments": vars(args),  # every setting, defaults included
         "model": out.name,
         "corpus": {"what": "Python standard library source (*.py), see "
                            "ane_spec/model/stdlib_corpus.py for exclusions",
