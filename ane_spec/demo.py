@@ -1,8 +1,10 @@
-"""`ane-spec demo`: the whole toolchain on an embedded default, end to end, in about a minute.
+"""`ane-spec demo`: the whole toolchain on the embedded default model, end to end.
 
-It writes a small synthetic Phi-4-mini-layout model (random weights: the text is gibberish, the
-numbers are real), compiles it to Core ML shards, runs the gates, generates with and without
-speculation, and prints the command that serves it.
+The model is `tiny-code` (ane_spec/assets): a few-million-parameter Python code model trained
+in minutes on the standard library's source, with Phi-4-mini's exact architecture and GGUF
+layout, so every stage below is the real pipeline. The demo compiles it to Core ML shards, runs
+the gates, completes a real code prompt with and without speculation (the tokens must be
+identical), and prints the command that serves it.
 """
 
 from __future__ import annotations
@@ -12,33 +14,84 @@ import sys
 import time
 from pathlib import Path
 
-from ane_spec.bench.sweep import source_text, tiled_prompt
+from ane_spec.assets import tiny_code_card, tiny_code_model
 from ane_spec.decode.session import DecodeSession, GenerateOptions
-from ane_spec.model.synthetic import preset, write_synthetic_gguf
 from ane_spec.probes.gates import GATES, open_pipeline, run_gates
 from ane_spec.runtime.backend import default_backend_name
 from ane_spec.shards.build import BuildRequest, build
 
 DEMO_MAX_SEQ = 512
-DEMO_NEW_TOKENS = 64
+DEMO_NEW_TOKENS = 96
+
+# Written for the demo, not taken from the training corpus: a small class in the stdlib's style,
+# cut after a docstring, so the model has a method body to write.
+DEMO_PROMPT = '''\
+"""A small registry of named handlers."""
+
+import os
+import sys
+
+
+class Registry:
+    """Map names to handler functions."""
+
+    def __init__(self):
+        self._handlers = {}
+
+    def register(self, name, handler):
+        """Register handler under name, replacing any earlier one."""
+        if not callable(handler):
+            raise TypeError("handler must be callable")
+        self._handlers[name] = handler
+
+    def unregister(self, name):
+        """Remove the handler registered under name."""
+        try:
+            del self._handlers[name]
+        except KeyError:
+            raise ValueError("no handler named %r" % (name,))
+
+    def get(self, name, default=None):
+        """Return the handler registered under name, or default."""
+        return self._handlers.get(name, default)
+
+    def names(self):
+        """Return a sorted list of the registered names."""
+'''
+
+
+def describe_model(card: dict) -> str:
+    c = card["config"]
+    minutes = card["wall_s"] / 60
+    return (f"tiny-code: a {card['parameters'] / 1e6:.1f}M-parameter Python code model trained "
+            f"in {minutes:.0f} minutes on CPU on the Python {card['corpus']['python']} "
+            f"standard library's source ({card['steps']} steps, held-out loss "
+            f"{card['final_held_out_loss']:.2f} nats/token). It is NOT Phi-4-mini: it has "
+            f"Phi-4-mini's exact architecture and GGUF layout ({c['num_layers']} layers, "
+            f"d={c['hidden_size']}, GQA {c['num_heads']}/{c['num_kv_heads']}, partial RoPE "
+            f"{c['rope_dims']}/{c['head_dim']}, LongRoPE, tied embeddings, Q8_0, vocab "
+            f"{c['vocab_size']}), so the whole real pipeline runs on it. It writes stdlib-flavoured "
+            "code that reads right line by line, repeats itself under greedy decoding, and is "
+            "not a working program.")
+
+
+def two_shards(num_layers: int) -> str:
+    """A topology of two layer shards, so the demo runs a multi-shard pipeline."""
+    return f"{num_layers - num_layers // 2},{num_layers // 2}"
 
 
 def run_demo(out: str | Path = "local-artifacts/demo", *, say=print) -> dict:
     out = Path(out)
     started = time.monotonic()
     backend = default_backend_name()
-    say("ane-spec demo: a synthetic model with the exact Phi-4-mini layout and RANDOM weights.")
-    say("Its text is gibberish by construction; the build, the gates and the speed figures are "
-        "real.\n")
-
-    gguf = out / "tiny-phi4-layout.gguf"
-    out.mkdir(parents=True, exist_ok=True)
-    if not gguf.exists():
-        write_synthetic_gguf(gguf, preset("tiny"))
-    say(f"1. model  {gguf}  (3 layers, d=192, GQA 6/2, partial RoPE 24/32, vocab 1024)")
+    gguf = tiny_code_model()
+    card = tiny_code_card()
+    say(f"ane-spec demo on the embedded model.\n{describe_model(card)}\n")
+    say(f"1. model  {gguf}")
 
     artifacts = out / "build"
-    result = build(gguf, artifacts, BuildRequest(topology="2,1", max_seq=DEMO_MAX_SEQ),
+    result = build(gguf, artifacts, BuildRequest(topology=two_shards(card["config"]["num_layers"]),
+                                                 max_seq=DEMO_MAX_SEQ),
                    force=True, progress=lambda m: say(f"   {m}"))
     say(f"2. build  {artifacts}  ({len(result.built)} packages built, {len(result.reused)} "
         f"reused, {result.seconds:.1f}s)")
@@ -52,25 +105,34 @@ def run_demo(out: str | Path = "local-artifacts/demo", *, say=print) -> dict:
 
     say("4. generate (greedy; the same prompt with and without speculation)")
     _, pipeline = open_pipeline(artifacts, backend, "fp32", verify=False)
-    # seeds/003's sweep method: a code text tiled to length, so repetition is there to find
-    base = pipeline.tokenizer.encode(source_text("code"))
-    prompt = tiled_prompt(base, DEMO_MAX_SEQ - DEMO_NEW_TOKENS - 8)
+    prompt = pipeline.tokenizer.encode(DEMO_PROMPT)
+    # Warm both pass shapes first (T=1 and T=4), so neither timed run pays first-call costs.
+    DecodeSession(pipeline).generate(prompt[:8], GenerateOptions(max_tokens=8))
     runs = {}
     for speculative in (False, True):
-        out_ = DecodeSession(pipeline).generate(prompt, GenerateOptions(
+        runs[speculative] = DecodeSession(pipeline).generate(prompt, GenerateOptions(
             max_tokens=DEMO_NEW_TOKENS, speculative=speculative))
-        runs[speculative] = out_
-        label = "speculative (n-gram + T=4 verify)" if speculative else "plain T=1 greedy"
-        say(f"   {label}: {out_.stats.summary()}")
+    say("   --- prompt " + "-" * 60)
+    say(_indent(DEMO_PROMPT.rstrip("\n")))
+    say("   --- completion (plain greedy) " + "-" * 41)
+    say(_indent(runs[False].text.rstrip("\n")))
+    say("   " + "-" * 72)
+    for speculative, label in ((False, "plain T=1 greedy"),
+                               (True, "speculative (n-gram + T=4 verify)")):
+        say(f"   {label}: {runs[speculative].stats.summary()}")
     same = runs[True].tokens == runs[False].tokens
     plain_rate = runs[False].stats.to_dict()["decode_tok_s"]
     spec_rate = runs[True].stats.to_dict()["decode_tok_s"]
-    say(f"   identical tokens: {'yes' if same else 'NO'}; speedup "
-        f"{spec_rate / plain_rate:.2f}x on {pipeline.backend.describe()}")
-    say(f"   (the prompt: {len(prompt)} tokens of Python stdlib source, tiled)")
+    say(f"   identical tokens: {'yes' if same else 'NO'} ({len(runs[False].tokens)} tokens); "
+        f"speedup {spec_rate / plain_rate:.2f}x on {pipeline.backend.describe()}")
 
     say(f"\nDone in {time.monotonic() - started:.0f}s. Serve it to any OpenAI client with:")
     say(f"   ane-spec serve --manifest {artifacts}")
     if shutil.which("ane-spec") is None:
         say(f"   ({sys.executable} -m ane_spec.cli serve --manifest {artifacts})")
-    return {"identical": same, "speedup": spec_rate / plain_rate, "manifest": str(artifacts)}
+    return {"identical": same, "speedup": spec_rate / plain_rate, "manifest": str(artifacts),
+            "prompt": DEMO_PROMPT, "completion": runs[False].text}
+
+
+def _indent(text: str) -> str:
+    return "\n".join("   | " + line for line in text.split("\n"))

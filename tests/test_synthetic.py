@@ -51,12 +51,12 @@ def test_bad_spec_is_refused() -> None:
 
 
 def test_failed_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ane_spec.model.synthetic as synthetic
+    import ane_spec.model.gguf_writer as gguf_writer
 
     def boom(chunk, qtype):
         raise OSError("disk full")
 
-    monkeypatch.setattr(synthetic, "_encode", boom)
+    monkeypatch.setattr(gguf_writer, "_encode", boom)
     with pytest.raises(OSError):
         write_synthetic_gguf(tmp_path / "x.gguf", preset("tiny", num_layers=1))
     assert list(tmp_path.iterdir()) == []

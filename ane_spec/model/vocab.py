@@ -1,7 +1,7 @@
-"""Synthetic Phi-4-mini vocabularies for test fixtures: real byte-level BPE, real layout, any size.
+"""Phi-4-mini-layout vocabularies: real byte-level BPE, real layout, any size.
 
-`build_synthetic_vocab(n)` returns `TokenizerData` laid out like Phi-4-mini's 200064-entry
-vocabulary, scaled to `n` entries:
+`phi4_mini_layout(merges, n)` lays trained merges out like Phi-4-mini's 200064-entry vocabulary,
+scaled to `n` entries:
 
     ids 0..255                      the 256 single bytes, as GPT-2 byte-to-unicode strings
     ids 256..                       merge results, in merge order (rank = index in `merges`)
@@ -12,16 +12,24 @@ vocabulary, scaled to `n` entries:
                                     <|tool|> <|/tool|> <|tool_call|> <|/tool_call|>
                                     <|tool_response|> <|tag|>   (200018..200028 in the real one)
 
-The merges are trained by HF `tokenizers` (BpeTrainer, byte-level, gpt-4o split) on the small
-multilingual corpus below, so the vocabulary tokenizes real text the way a real one does, only
-with shorter pieces. The corpus supports a few thousand merges; a larger vocabulary gets the rest
-as fillers. Training is deterministic and cached per process.
+Merges come from HF `tokenizers` (BpeTrainer, byte-level, gpt-4o split, `train_bpe_merges`).
+Two vocabularies use the layout:
+
+* `build_synthetic_vocab(n)`, for test fixtures: merges trained on the small multilingual corpus
+  below, so it tokenizes real text the way a real vocabulary does, only with shorter pieces. The
+  corpus supports a few thousand merges; a larger vocabulary gets the rest as fillers. Cached per
+  process.
+* `build_trained_vocab(texts, n)`, for a trained model: merges learned from the model's own
+  training corpus until the BPE region is full.
+
+Both are deterministic for their input.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from functools import lru_cache
 
 from ane_spec.errors import TokenizerError
@@ -169,9 +177,12 @@ McDonald's O'Neill rock'n'roll y'all ma'am 'tis o'clock DON'T can't WON'T should
 """
 
 
-@lru_cache(maxsize=4)
-def _trained(seed_text: str | None) -> tuple[tuple[str, str], ...]:
-    """The merges, in rank order, that BPE training finds in the corpus (+ seed_text)."""
+def train_bpe_merges(texts: Iterable[str], max_tokens: int) -> tuple[tuple[str, str], ...]:
+    """Byte-level BPE merges, in rank order, that HF `tokenizers` learns from `texts`.
+
+    The pipeline is Phi-4-mini's: gpt-4o split, then GPT-2 byte-to-unicode. Training stops when
+    bytes + merge results reach `max_tokens` or no pair is left. Deterministic for given texts.
+    """
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -180,24 +191,45 @@ def _trained(seed_text: str | None) -> tuple[tuple[str, str], ...]:
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     trainer = trainers.BpeTrainer(
-        vocab_size=1_000_000,  # i.e. until no pair is left: "what the corpus supports"
-        min_frequency=0, show_progress=False, special_tokens=[],
+        vocab_size=max_tokens, min_frequency=0, show_progress=False, special_tokens=[],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    text = CORPUS if seed_text is None else CORPUS + "\n" + seed_text
-    tok.train_from_iterator([text], trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     merges = json.loads(tok.to_str())["model"]["merges"]
     # tokenizers >= 0.20 serialises merges as pairs, older versions as "a b" strings.
     return tuple((m[0], m[1]) if isinstance(m, list) else tuple(m.split(" ", 1))  # type: ignore
                  for m in merges)
 
 
+@lru_cache(maxsize=4)
+def _trained(seed_text: str | None) -> tuple[tuple[str, str], ...]:
+    """The merges the small built-in corpus (+ seed_text) supports: training runs until no pair
+    is left."""
+    text = CORPUS if seed_text is None else CORPUS + "\n" + seed_text
+    return train_bpe_merges([text], max_tokens=1_000_000)
+
+
 def build_synthetic_vocab(vocab_size: int, *, seed_text: str | None = None) -> TokenizerData:
     """A deterministic byte-level BPE vocabulary with Phi-4-mini's layout at `vocab_size`."""
     if vocab_size < MIN_VOCAB_SIZE:
         raise TokenizerError(f"synthetic vocab_size must be >= {MIN_VOCAB_SIZE}, got {vocab_size}")
-    bpe_cap = vocab_size - BPE_REGION_END_FROM_END
-    trained_merges = _trained(seed_text)
+    return phi4_mini_layout(_trained(seed_text), vocab_size)
 
+
+def build_trained_vocab(texts: Iterable[str], vocab_size: int) -> TokenizerData:
+    """A byte-level BPE trained on `texts`, filling Phi-4-mini's layout at `vocab_size`."""
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise TokenizerError(f"vocab_size must be >= {MIN_VOCAB_SIZE}, got {vocab_size}")
+    return phi4_mini_layout(train_bpe_merges(texts, vocab_size - BPE_REGION_END_FROM_END),
+                            vocab_size)
+
+
+def phi4_mini_layout(trained_merges: Iterable[tuple[str, str]], vocab_size: int) -> TokenizerData:
+    """Phi-4-mini's vocabulary layout at `vocab_size`, its BPE region filled from `trained_merges`.
+
+    Bytes, then merge results in rank order up to the BPE region's end, then `[PAD<id>]` fillers,
+    with the special tokens at their offsets from the end (see the module docstring).
+    """
+    bpe_cap = vocab_size - BPE_REGION_END_FROM_END
     tokens: list[str] = list(bytes_to_unicode().values())
     known = set(tokens)
     reserved = {text for _, text in SPECIAL_TOKENS_FROM_END}

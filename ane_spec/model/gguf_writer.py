@@ -1,0 +1,192 @@
+"""Write a phi3 GGUF file with exactly the metadata and tensor layout of Phi-4-mini's.
+
+The one GGUF writer of the project: the synthetic fixtures (random weights, `synthetic.py`) and
+the trained tiny model (`scripts/train_tiny_model.py`) both go through `write_phi3_gguf`, so
+they share every key, tensor order and encoding. Tensors arrive as row-chunk generators and are
+encoded and written one chunk at a time, so a 3.8B-parameter file needs a few hundred MB.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize as gguf_quantize
+
+from ane_spec.errors import ConfigError
+from ane_spec.model.config import ModelConfig
+from ane_spec.model.gguf_file import expected_tensor_shapes
+from ane_spec.model.quant import Q8_0_BLOCK, Q8_0_BLOCK_BYTES, q8_0_quantize
+from ane_spec.model.tokenizer import TokenizerData
+
+#: `general.file_type` per matrix type (llama_ftype: MOSTLY_Q8_0 = 7, MOSTLY_F16 = 1, MOSTLY_BF16 = 32)
+FILE_TYPES = {GGMLQuantizationType.Q8_0: 7, GGMLQuantizationType.F16: 1,
+              GGMLQuantizationType.BF16: 32}
+ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+Chunks = Callable[[], Iterator[np.ndarray]]
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """One tensor to write: numpy shape `(out, in)`, stored type, and float32 row chunks."""
+
+    shape: tuple[int, ...]
+    qtype: GGMLQuantizationType
+    chunks: Chunks
+
+    @classmethod
+    def from_array(cls, values: np.ndarray, qtype: GGMLQuantizationType) -> "TensorSource":
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        return cls(tuple(values.shape), qtype, lambda: iter([values]))
+
+
+def longrope_factor_tensors(config: ModelConfig) -> dict[str, TensorSource]:
+    """Phi-4-mini's two LongRoPE factor tables, scaled to `rope_dims / 2` entries.
+
+    Short factors are all 1.0, as in Phi-4-mini. The long ones grow with the frequency index as
+    the real model's do (1.0 .. ~50); a file only uses them in a window above
+    `original_context_length`.
+    """
+    half = config.rope_dims // 2
+    f32 = GGMLQuantizationType.F32
+    return {"rope_factors_long.weight": TensorSource.from_array(np.geomspace(1.0, 16.0, half), f32),
+            "rope_factors_short.weight": TensorSource.from_array(np.ones(half), f32)}
+
+
+def write_phi3_gguf(path: str | os.PathLike[str], config: ModelConfig, vocab: TokenizerData,
+                    tensors: Mapping[str, TensorSource], *, name: str,
+                    progress: Callable[[str, int, int], None] | None = None) -> Path:
+    """Write a phi3 GGUF at `path` atomically (a temp file renamed at the end).
+
+    `tensors` must hold exactly the two LongRoPE tables and every tensor `config` implies, with
+    their shapes; they are written in the given order. Matrices share one stored type, which sets
+    `general.file_type`.
+    """
+    _check_tensors(config, vocab, tensors, name)
+    matrix_types = {t.qtype for t in tensors.values() if len(t.shape) == 2}
+    file_type = FILE_TYPES[matrix_types.pop()]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        writer = GGUFWriter(tmp, "phi3")
+        _add_metadata(writer, config, vocab, name, file_type)
+        for tname, t in tensors.items():
+            writer.add_tensor_info(tname, _stored_shape(t.shape, t.qtype), _stored_dtype(t.qtype),
+                                   _nbytes(t.shape, t.qtype), raw_dtype=t.qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        fout = writer.fout[0]
+        total = len(tensors)
+        for n, (tname, t) in enumerate(tensors.items()):
+            writer.write_padding(fout, fout.tell())
+            rows = 0
+            for chunk in t.chunks():
+                rows += chunk.shape[0] if chunk.ndim == 2 else 1
+                _encode(chunk, t.qtype).tofile(fout)
+            expected_rows = t.shape[0] if len(t.shape) == 2 else 1
+            if rows != expected_rows:
+                raise ConfigError(f"tensor {tname}: its chunks gave {rows} rows, "
+                                  f"expected {expected_rows}")
+            writer.write_padding(fout, fout.tell())
+            if progress:
+                progress(tname, n + 1, total)
+        writer.close()
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _check_tensors(config: ModelConfig, vocab: TokenizerData,
+                   tensors: Mapping[str, TensorSource], name: str) -> None:
+    # llama.cpp (llama-vocab.cpp) gives Phi-3 special tokens extra attributes when general.name
+    # contains "phi3" or "phi-3", and then aborts the load if "</s>", "<unk>" or "<s>" is
+    # missing, which a Phi-4-mini vocabulary lacks. Real Phi-4-mini files are named otherwise.
+    if "phi3" in name.lower() or "phi-3" in name.lower():
+        raise ConfigError(f"model name {name!r} contains 'phi3'/'phi-3': llama.cpp would then "
+                          "require Phi-3's </s>, <unk> and <s> tokens and refuse the file")
+    if len(vocab.tokens) != config.vocab_size:
+        raise ConfigError(f"the vocabulary has {len(vocab.tokens)} tokens but the config says "
+                          f"vocab_size {config.vocab_size}")
+    half = config.rope_dims // 2
+    expected = {name: (half,) for name in ROPE_FACTOR_TENSORS} | expected_tensor_shapes(config)
+    if set(tensors) != set(expected):
+        missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+        raise ConfigError(f"tensor set differs from the phi3 layout: missing {missing[:3]}, "
+                          f"unexpected {extra[:3]}")
+    for tname, t in tensors.items():
+        if t.shape != expected[tname]:
+            raise ConfigError(f"tensor {tname} has shape {t.shape}, expected {expected[tname]}")
+        if len(t.shape) == 1 and t.qtype != GGMLQuantizationType.F32:
+            raise ConfigError(f"tensor {tname} is a vector and must be stored as F32")
+    if len({t.qtype for t in tensors.values() if len(t.shape) == 2}) != 1:
+        raise ConfigError("all matrices must share one stored type (it sets general.file_type)")
+
+
+def _add_metadata(w: GGUFWriter, c: ModelConfig, vocab: TokenizerData, name: str,
+                  file_type: int) -> None:
+    w.add_name(name)
+    w.add_file_type(file_type)
+    w.add_context_length(c.context_length)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.ffn_size)
+    w.add_block_count(c.num_layers)
+    w.add_head_count(c.num_heads)
+    w.add_head_count_kv(c.num_kv_heads)
+    w.add_layer_norm_rms_eps(c.rms_eps)
+    w.add_rope_dimension_count(c.rope_dims)
+    w.add_rope_freq_base(c.rope_freq_base)
+    w.add_rope_scaling_attn_factors(c.rope_attn_factor)
+    w.add_rope_scaling_orig_ctx_len(c.original_context_length)
+    w.add_sliding_window(262144)
+
+    w.add_tokenizer_model(vocab.model)
+    w.add_tokenizer_pre(vocab.pre)
+    w.add_token_list(vocab.tokens)
+    w.add_token_types(vocab.token_types)
+    w.add_token_merges(vocab.merges)
+    for key, value in (("bos", vocab.bos_token_id), ("eos", vocab.eos_token_id),
+                       ("unk", vocab.unknown_token_id), ("pad", vocab.padding_token_id)):
+        if value is not None:
+            getattr(w, f"add_{key}_token_id")(value)
+    w.add_add_bos_token(vocab.add_bos_token)
+    w.add_add_eos_token(vocab.add_eos_token)
+    if vocab.chat_template:
+        w.add_chat_template(vocab.chat_template)
+
+
+def _encode(chunk: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    if qtype == GGMLQuantizationType.Q8_0:
+        return q8_0_quantize(chunk)
+    if qtype == GGMLQuantizationType.F16:
+        return chunk.astype(np.float16)
+    if qtype == GGMLQuantizationType.BF16:
+        return gguf_quantize(chunk, qtype)
+    return chunk.astype(np.float32)
+
+
+def _nbytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:
+    n = int(np.prod(shape))
+    if qtype == GGMLQuantizationType.Q8_0:
+        return n // Q8_0_BLOCK * Q8_0_BLOCK_BYTES
+    return n * (4 if qtype == GGMLQuantizationType.F32 else 2)
+
+
+def _stored_shape(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> tuple[int, ...]:
+    if qtype == GGMLQuantizationType.Q8_0:
+        return (*shape[:-1], shape[-1] // Q8_0_BLOCK * Q8_0_BLOCK_BYTES)
+    if qtype == GGMLQuantizationType.BF16:
+        return (*shape[:-1], shape[-1] * 2)
+    return shape
+
+
+def _stored_dtype(qtype: GGMLQuantizationType) -> np.dtype:
+    return {GGMLQuantizationType.Q8_0: np.dtype(np.uint8), GGMLQuantizationType.BF16: np.dtype(np.uint8),
+            GGMLQuantizationType.F16: np.dtype(np.float16)}.get(qtype, np.dtype(np.float32))
