@@ -17,10 +17,13 @@ def test_demo_completes_the_prompt_identically_with_and_without_speculation(
     text = "\n".join(lines)
     assert result["identical"] and "identical tokens: yes" in text
     assert "NOT Phi-4-mini" in text and "tiny-code" in text
-    for gate in ("parity", "block", "drift"):
-        assert f"{gate} [mil/fp32]: PASS" in text
+    for gate in ("row-invariance [mil/fp32]", "parity [mil/fp32/fixed]", "block [mil/fp32]",
+                 "drift [mil/fp32/fixed]"):
+        assert f"{gate}: PASS" in text
     # The real completion is printed under the prompt, and it is code-shaped text.
     completion = result["completion"]
     assert result["prompt"] == DEMO_PROMPT and completion.strip()
     assert "   | " + completion.split("\n")[0] in text
     assert completion.startswith(" " * 8)  # it continues the method body it was given
+    # The repetition penalty keeps it writing code rather than `name, name, name, ...`.
+    assert len(set(completion.split())) >= 25
