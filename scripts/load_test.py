@@ -2,6 +2,7 @@
 """Load test for `ane-spec serve`: concurrent streaming conversations against one server.
 
     python scripts/load_test.py                       # builds a tiny synthetic model, serves it
+    python scripts/load_test.py --gguf tiny-code      # the embedded trained model instead
     python scripts/load_test.py --kv-slots 1,4        # one server per slot count, compared
     python scripts/load_test.py --url http://127.0.0.1:8000 [--api-key KEY]
 
@@ -186,15 +187,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_tiny(workdir: Path, max_seq: int) -> Path:
-    """Write a tiny synthetic GGUF and build it."""
-    from ane_spec.model.synthetic import preset, write_synthetic_gguf
+def build_local(workdir: Path, max_seq: int, gguf: str | None) -> Path:
+    """Build `gguf` ("tiny-code": the embedded trained model), or a tiny synthetic model
+    (random weights) written here."""
     from ane_spec.shards.build import BuildRequest, build
 
-    gguf = write_synthetic_gguf(workdir / "tiny.gguf", preset("tiny"))
+    if gguf is None:
+        from ane_spec.model.synthetic import preset, write_synthetic_gguf
+
+        source, name = write_synthetic_gguf(workdir / "tiny.gguf", preset("tiny")), "tiny synthetic"
+    elif gguf == "tiny-code":
+        from ane_spec.assets import tiny_code_model
+
+        source, name = tiny_code_model(), "tiny-code"
+    else:
+        source, name = Path(gguf), gguf
     t0 = time.perf_counter()
-    build(gguf, workdir / "art", BuildRequest(topology="2,1", max_seq=max_seq))
-    print(f"built a tiny synthetic model (max_seq {max_seq}) in {time.perf_counter() - t0:.1f}s",
+    build(source, workdir / "art", BuildRequest(max_seq=max_seq))
+    print(f"built {name} (max_seq {max_seq}) in {time.perf_counter() - t0:.1f}s",
           file=sys.stderr)
     return workdir / "art"
 
@@ -351,7 +361,9 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--requests", type=int, default=5, help="turns per client")
     ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument("--max-seq", type=int, default=1024, help="context of the synthetic build")
+    ap.add_argument("--gguf", help="model for the local server: a GGUF path, or tiny-code (the "
+                                   "embedded trained model); default: a random-weight tiny model")
+    ap.add_argument("--max-seq", type=int, default=1024, help="context of the local build")
     ap.add_argument("--kv-slots", default=None,
                     help="local server's --kv-slots; a list (1,4) runs one server per value")
     ap.add_argument("--slot-spill-mb", type=int, help="local server's --slot-spill-mb")
@@ -366,7 +378,7 @@ def main() -> int:
         values = [int(v) for v in args.kv_slots.split(",")] if args.kv_slots else [None]
         runs, problems = [], []
         with tempfile.TemporaryDirectory(prefix="ane-spec-load-") as tmp:
-            artifacts = build_tiny(Path(tmp), args.max_seq)
+            artifacts = build_local(Path(tmp), args.max_seq, args.gguf)
             for value in values:
                 proc, url = start_local_server(artifacts, max(8, args.clients), value,
                                                args.slot_spill_mb)
