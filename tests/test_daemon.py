@@ -428,7 +428,7 @@ VALID_CHAT, VALID_COMPLETION = bodies(None)
 CHAT_BODY, COMPLETION_BODY = bodies(6)
 
 
-@settings(max_examples=160, deadline=None, derandomize=True,
+@settings(max_examples=100, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_fuzz_no_server_errors(server, data) -> None:
