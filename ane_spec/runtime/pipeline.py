@@ -25,6 +25,7 @@ import numpy as np
 from ane_spec.errors import AneSpecError
 from ane_spec.manifests.store import LoadedManifest
 from ane_spec.runtime.backend import DECODE_SHAPES, Backend, DecodeShape, LoadedProgram
+from ane_spec.runtime.fp16_argmax import chunked_argmax
 from ane_spec.runtime.host_inputs import HostInputs
 
 
@@ -38,15 +39,18 @@ class BlockOutput:
 
     Decoding needs rows 0..m (m accepted drafts), usually only their argmax, and one logits row
     of a 200,064-token vocabulary is a 0.8 MB gather and conversion: so rows are read one at a
-    time and cached, and a pass whose first draft is rejected reads one row, not four. A head
+    time and cached, a pass whose first draft is rejected reads one row, not four, and a row
+    whose argmax alone is asked for is arg-maxed in the head's own buffers (`fp16_argmax`). A head
     built with --head-argmax has no logits, only each row's `argmax` and winning `max_logit`.
     """
 
     def __init__(self, rows: int, read_row: Callable[[int], np.ndarray] | None, *,
+                 argmax_row: Callable[[int], int] | None = None,
                  argmax: np.ndarray | None = None, max_logit: np.ndarray | None = None,
                  backend_seconds: float = 0.0, host_seconds: float = 0.0):
         self.rows = rows
         self._read_row = read_row
+        self._argmax_row = argmax_row
         self._logits: dict[int, np.ndarray] = {}
         self._argmax = {} if argmax is None else dict(enumerate(int(a) for a in argmax))
         self._max_logit = None if max_logit is None else np.asarray(max_logit)
@@ -75,7 +79,10 @@ class BlockOutput:
     def row_argmax(self, i: int) -> int:
         i = range(self.rows)[i]
         if i not in self._argmax:
-            self._argmax[i] = int(self.row_logits(i).argmax())
+            if i in self._logits or self._argmax_row is None:
+                self._argmax[i] = int(self.row_logits(i).argmax())
+            else:  # straight from the head's buffers, without a float32 copy of the row
+                self._argmax[i] = self._argmax_row(i)
         return self._argmax[i]
 
     @property
@@ -262,7 +269,10 @@ class ShardPipeline:
                     row[start:end] = view[r]
                 return row
 
-            return BlockOutput(rows, read_row)
+            def argmax_row(r: int) -> int:
+                return chunked_argmax([(start, view[r]) for start, _, view in views])
+
+            return BlockOutput(rows, read_row, argmax_row=argmax_row)
         maxima = np.stack([self.from_hidden(outputs[f"max_{i}"])[:rows, 0]
                            for i in range(len(chunks))], axis=1)           # [rows, chunks]
         index = np.stack([self.from_hidden(outputs[f"argmax_{i}"])[:rows, 0]
