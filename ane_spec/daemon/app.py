@@ -169,13 +169,21 @@ class Plan:
 
     item: WorkItem
     tools: bool = False  # parse <|tool_call|> output into tool_calls
-    schema: dict[str, Any] | None = None  # validate the output against it ...
-    json_output: bool = False  # ... when the output must be JSON at all
-    top_n: int | None = None  # logprobs: alternatives per token (None: no logprobs)
+    schema: dict[str, Any] | None = None  # the output must be JSON valid against it
 
 
-def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest,
-            kind: str) -> Plan:
+@dataclass(frozen=True)
+class Constraint:
+    """A request's grammar, the parameter that asked for it (named in errors), and the schema
+    its JSON output is validated against."""
+
+    grammar: Grammar
+    param: str
+    schema: dict[str, Any] | None = None
+
+
+def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest, kind: str,
+            scope: str | None = None) -> Plan:
     tok, config, ctx = engine.tokenizer, engine.config, engine.context
     vocab = engine.pipeline.config.vocab_size
     uses_tools = kind == "chat" and body.uses_tools
@@ -214,17 +222,16 @@ def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest,
                          "which leaves no room to generate", where, "context_length_exceeded")
     # Like llama-server, a cap beyond the room left is lowered to it: generation then ends with
     # finish_reason "length" when the context fills.
-    requested, _ = body.requested_max_tokens()
-    max_tokens = min(requested or ctx, room)
+    max_tokens = min(body.requested_max_tokens() or ctx, room)
 
     sampling = _sampling(engine, body)
-    grammar, schema, json_output = _constraint(engine, body, kind, uses_tools)
-    if grammar is not None and sampling.ignore_eos:
+    constraint = _constraint(engine, body, kind, uses_tools)
+    if constraint is not None and sampling.ignore_eos:
         raise BadRequest("ignore_eos: cannot be combined with a grammar, a response_format or "
                          "tools (the grammar decides where the output ends)", "ignore_eos")
     top_n = body.top_n
     if engine.pipeline.head_argmax:
-        _refuse_for_argmax_head(body, sampling, grammar, top_n)
+        _refuse_for_argmax_head(body, sampling, constraint, top_n)
 
     ext = body.ane_spec or SpeculationOptions()
     lo = config.ngram_min if ext.ngram_min is None else ext.ngram_min
@@ -239,10 +246,11 @@ def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest,
     options = GenerateOptions(
         max_tokens=max_tokens, stop=body.stops, sampling=sampling,
         speculative=config.speculative if ext.speculative is None else ext.speculative,
-        guard=config.guard if ext.guard is None else ext.guard, grammar=grammar,
+        guard=config.guard if ext.guard is None else ext.guard,
+        grammar=None if constraint is None else constraint.grammar,
         logprobs=top_n, special_text=uses_tools)
-    return Plan(WorkItem(prompt, options, lo, hi, kind), tools=uses_tools, schema=schema,
-                json_output=json_output, top_n=top_n)
+    return Plan(WorkItem(prompt, options, lo, hi, kind, scope), tools=uses_tools,
+                schema=None if constraint is None else constraint.schema)
 
 
 def _sampling(engine: Engine, body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
@@ -264,33 +272,37 @@ def _sampling(engine: Engine, body: ChatCompletionRequest | CompletionRequest) -
 
 
 def _constraint(engine: Engine, body: ChatCompletionRequest | CompletionRequest, kind: str,
-                uses_tools: bool) -> tuple[Grammar | None, dict[str, Any] | None, bool]:
-    """(the grammar, the schema the output is validated against, whether it must be JSON)."""
-    tok = engine.tokenizer
+                uses_tools: bool) -> Constraint | None:
     fmt = body.response_format if kind == "chat" else None
+    schema: dict[str, Any] | None = None
+    if uses_tools:
+        param, what = "tools", "the tools' parameters"
+    elif fmt is not None and fmt.type != "text":
+        param = what = "response_format"
+        schema = fmt.enforced_schema
+        schema = {"type": "object"} if schema is None else schema  # json_object: any object
+    elif body.json_schema is not None:
+        param = what = "json_schema"
+        schema = body.json_schema
+    elif body.grammar is not None:
+        param = what = "grammar"
+    else:
+        return None
     try:
         if uses_tools:
-            lark = tool_call_grammar(body.tools, body.tool_choice, body.parallel_tool_calls)
-            return Grammar(tok, lark_grammar(lark), what="the tools' parameters"), None, False
-        if fmt is not None and fmt.type != "text":
-            schema = fmt.enforced_schema
-            return (Grammar(tok, json_schema_grammar(schema), what="response_format"), schema,
-                    True)
-        if body.json_schema is not None:
-            return (Grammar(tok, json_schema_grammar(body.json_schema), what="json_schema"),
-                    body.json_schema, True)
-        if body.grammar is not None:
-            return Grammar(tok, gbnf_grammar(body.grammar), what="grammar"), None, False
+            spec = lark_grammar(tool_call_grammar(body.tools, body.tool_choice,
+                                                  body.parallel_tool_calls))
+        elif schema is not None:
+            spec = json_schema_grammar(schema)
+        else:
+            spec = gbnf_grammar(body.grammar)
+        return Constraint(Grammar(engine.tokenizer, spec, what=what), param, schema)
     except GrammarError as exc:
-        param = ("tools" if uses_tools else "response_format" if fmt is not None
-                 and fmt.type != "text" else "json_schema" if body.json_schema is not None
-                 else "grammar")
         raise BadRequest(str(exc), param) from None
-    return None, None, False
 
 
-def _refuse_for_argmax_head(body, sampling: SamplingParams, grammar: Grammar | None,  # noqa: ANN001
-                            top_n: int | None) -> None:
+def _refuse_for_argmax_head(body, sampling: SamplingParams,  # noqa: ANN001
+                            constraint: Constraint | None, top_n: int | None) -> None:
     why = "this build's LM head emits only argmax (--head-argmax): rebuild without it to use "
     if sampling.temperature > 0:
         raise BadRequest(why + "sampling (or use temperature 0)", "temperature")
@@ -300,11 +312,8 @@ def _refuse_for_argmax_head(body, sampling: SamplingParams, grammar: Grammar | N
                  "ignore_eos"):
         if name in body.model_fields_set and sampling.edits_logits:
             raise BadRequest(why + name, name)
-    if grammar is not None:
-        name = ("tools" if getattr(body, "uses_tools", False) else "response_format"
-                if getattr(body, "response_format", None) else "json_schema"
-                if body.json_schema is not None else "grammar")
-        raise BadRequest(why + name, name)
+    if constraint is not None:
+        raise BadRequest(why + constraint.param, constraint.param)
 
 
 def _token_text(tok, token_id: int | None, fallback: str) -> str:  # noqa: ANN001
@@ -439,7 +448,7 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
             "bos_token": _token_text(tok, tok.bos_token_id, ""),
             "eos_token": _token_text(tok, tok.eos_token_id, ""),
             "modalities": {"vision": False, "audio": False},
-            "build_info": f"ane-spec {__version__}", "status": engine.health()["status"]}
+            "build_info": f"ane-spec {__version__}", "status": engine.status}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -513,9 +522,9 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
         try:
             if engine.status != "ready":
                 raise engine.not_ready()
-            plan = await anyio.to_thread.run_sync(prepare, engine, body, kind)
-            plan = replace(plan, item=replace(plan.item, scope=scope_of(
-                config.draft_memory_mode, request.headers.get("authorization"), body.user)))
+            scope = scope_of(config.draft_memory_mode, request.headers.get("authorization"),
+                             body.user)
+            plan = await anyio.to_thread.run_sync(prepare, engine, body, kind, scope)
             job = engine.submit(plan.item, asyncio.get_running_loop())
         except BadRequest as exc:
             metrics.request(kind, "rejected_invalid")
@@ -537,7 +546,7 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
         return await collect(request, job, plan, envelope)
 
     def logprobs_of(plan: Plan, result: GenerationResult) -> dict[str, Any] | None:
-        if plan.top_n is None or result.logprobs is None:
+        if result.logprobs is None:
             return None
         return logprobs_body(plan.item.endpoint, result.logprobs, result.tokens,
                              engine.tokenizer.token_bytes)
@@ -653,7 +662,7 @@ def _check_output(plan: Plan, result: GenerationResult) -> tuple[bool, str] | No
     """A JSON output that left the grammar complete is validated against its schema before it
     leaves; (is_server_fault, message) when it fails. Output cut by max_tokens or the context
     ends with finish_reason "length" and is not judged, as OpenAI does."""
-    if not plan.json_output or result.finish_reason in ("length", "context", "cancelled"):
+    if plan.schema is None or result.finish_reason in ("length", "context", "cancelled"):
         return None
     import json
 
@@ -669,7 +678,7 @@ def _check_output(plan: Plan, result: GenerationResult) -> tuple[bool, str] | No
                            "`stop` when asking for JSON")
         return True, "the constrained output is not complete JSON: a bug in ane-spec"
     try:
-        jsonschema.validate(value, plan.schema if plan.schema is not None else {"type": "object"})
+        jsonschema.validate(value, plan.schema)
     except jsonschema.ValidationError as exc:
         return True, f"the constrained output does not match the schema ({exc.message})"
     except jsonschema.SchemaError:

@@ -29,7 +29,6 @@ from typing import Literal
 from ane_spec.decode.draft_memory import DraftMemory
 
 DraftMemoryMode = Literal["per-key", "shared", "off"]
-DRAFT_MEMORY_MODES: tuple[DraftMemoryMode, ...] = ("per-key", "shared", "off")
 MAX_SCOPES = 16
 
 

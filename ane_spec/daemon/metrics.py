@@ -72,7 +72,7 @@ class Metrics:
         self.ttft_sum = 0.0
         self.ttft_count = 0
         self.last_decode_tok_s = 0.0
-        self.slot_events: Counter[str] = Counter()  # daemon/slots.py EVENTS
+        self.slot_events: Counter[str] = Counter()  # the keys of SLOT_COUNTERS
 
     def request(self, endpoint: str, outcome: str) -> None:
         with self._lock:

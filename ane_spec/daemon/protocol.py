@@ -139,13 +139,13 @@ class _Generation(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def requested_max_tokens(self) -> tuple[int | None, str]:
-        """(the cap the client asked for, the parameter that carried it); None: no cap."""
+    def requested_max_tokens(self) -> int | None:
+        """The cap the client asked for; None: no cap."""
         if self.max_tokens is not None:
-            return self.max_tokens, "max_tokens"
+            return self.max_tokens
         if self.n_predict is not None and self.n_predict >= 0:
-            return max(self.n_predict, 1), "n_predict"
-        return None, "max_tokens"
+            return max(self.n_predict, 1)
+        return None
 
     def logit_bias_pairs(self, vocab: int) -> tuple[tuple[int, float], ...]:
         """(id, bias) pairs, checked against the vocabulary; `false` bans (-inf)."""
@@ -357,9 +357,9 @@ class ChatCompletionRequest(_Generation):
             raise ValueError(f"{constrained[0]}: cannot be combined with tools (set tool_choice "
                              "to 'none', or drop one of them)")
 
-    def requested_max_tokens(self) -> tuple[int | None, str]:
+    def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
-            return self.max_completion_tokens, "max_completion_tokens"
+            return self.max_completion_tokens
         return super().requested_max_tokens()
 
     @property
@@ -392,10 +392,10 @@ class CompletionRequest(_Generation):
         if isinstance(p, list) and isinstance(p[0], (str, list)) and len(p) != 1:
             raise ValueError("prompt: batches of prompts are not supported (send one)")
 
-    def requested_max_tokens(self) -> tuple[int | None, str]:
+    def requested_max_tokens(self) -> int | None:
         # The OpenAI default of 16 applies only when neither max_tokens nor n_predict was given.
         if "max_tokens" not in self.model_fields_set and self.n_predict is not None:
-            return (None if self.n_predict < 0 else max(self.n_predict, 1)), "n_predict"
+            return None if self.n_predict < 0 else max(self.n_predict, 1)
         return super().requested_max_tokens()
 
     @property

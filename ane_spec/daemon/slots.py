@@ -20,7 +20,7 @@ after prefilling the same p tokens, and slots past p are never read before they 
 the output of a request does not depend on which slot served it.
 
 Scopes: with `--draft-memory per-key` a request only reuses caches of its own scope (see
-`ane_spec.daemon.privacy`), so the time to first token cannot reveal another key's prompts.
+`ane_spec.daemon.draft_scopes`), so the time to first token cannot reveal another key's prompts.
 
 Threads: only the engine's worker calls the mutating methods; `snapshot()` (for /slots) reads a
 list the worker republishes after every change.
@@ -39,6 +39,7 @@ import numpy as np
 
 from ane_spec.daemon.kv_state import StateLayout
 from ane_spec.daemon.slot_files import SUFFIX, SlotFileError, load_slot, save_slot, slot_path
+from ane_spec.decode.session import common_prefix
 from ane_spec.errors import AneSpecError
 from ane_spec.runtime.pipeline import PipelineState, ShardPipeline
 
@@ -48,24 +49,12 @@ log = logging.getLogger("ane_spec.daemon")
 # the whole state, a prefill of 16 tokens is 4 T=4 passes.
 MIN_SHARED = 16
 
-EVENTS = ("hit", "miss", "spill", "restore", "copy", "drop", "save", "load")
-
-
 class SlotError(AneSpecError):
     """A /slots action that cannot be done (an unknown slot, an empty one, a bad file)."""
 
 
 class SlotNotFound(SlotError):
     """No resident slot or spilled conversation has that id."""
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass
@@ -97,7 +86,7 @@ class SlotManager:
                  record: Callable[[str], None] = lambda event: None,
                  states: Sequence[PipelineState] = ()):
         """`slots` resident slots (the first ones on `states`, e.g. a session's own state, the
-        rest on new states); `record(event)` counts EVENTS for /metrics."""
+        rest on new states); `record(event)` counts the events of `metrics.SLOT_COUNTERS`."""
         if slots < 1:
             raise AneSpecError(f"--kv-slots must be >= 1, got {slots}")
         self.layout = StateLayout(pipeline)
@@ -160,7 +149,11 @@ class SlotManager:
     # --- /slots actions ----------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
-        return self._published
+        now = time.time()
+        published = self._published
+        return published | {"slots": [
+            row | {"idle_seconds": round(now - row["last_used"], 3) if row["last_used"] else None}
+            for row in published["slots"]]}
 
     def save(self, slot_id: int, directory: Path | None, name: str | None) -> dict[str, Any]:
         if directory is None:
@@ -301,12 +294,9 @@ class SlotManager:
             self.record(event)
 
     def _publish(self) -> None:
-        now = time.time()
-
         def row(c: _Cached, state: str, nbytes: int | None) -> dict[str, Any]:
             return {"id": c.id, "state": state, "tokens": len(c.tokens), "hits": c.hits,
                     "last_used": round(c.last_used, 3) if c.last_used else None,
-                    "idle_seconds": round(now - c.last_used, 3) if c.last_used else None,
                     "bytes": nbytes}
 
         rows = [row(s, "resident" if s.tokens else "empty", None) for s in self.resident]

@@ -41,6 +41,16 @@ MAX_DRAFT = 3
 GUARD_FACTOR = 2.0
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two sequences share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class GenerateOptions(BaseModel):
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
 
@@ -157,12 +167,7 @@ class DecodeSession:
     def _prefill(self, prompt: list[int], stats: RequestStats) -> BlockOutput:
         """Fill slots for the prompt, reusing the longest prefix already in the cache. At least
         the last prompt token is always run, since its row gives the first new token."""
-        reuse = 0
-        for a, b in zip(self.kv_tokens, prompt):
-            if a != b:
-                break
-            reuse += 1
-        reuse = min(reuse, len(prompt) - 1)
+        reuse = min(common_prefix(self.kv_tokens, prompt), len(prompt) - 1)
         stats.reused_prefix_tokens = reuse
         stats.prefill_tokens = len(prompt) - reuse
         out = None
