@@ -56,11 +56,9 @@ def measure(pipeline: ShardPipeline, n: int, workdir: Path, repeats: int) -> dic
     t_restore, _ = best_of(repeats, lambda: layout.install(other, rows, n))
     exact = all(np.array_equal(a, b) for a, b in zip(rows, layout.capture(other, n)))
     nxt = tokens[-1:]
-    same_logits = np.array_equal(pipeline.run(nxt, n, state).row_argmax(0),
-                                 pipeline.run(nxt, n, other).row_argmax(0))
-    if not pipeline.head_argmax:
-        same_logits = np.array_equal(pipeline.run(nxt, n, state).row_logits(0),
-                                     pipeline.run(nxt, n, other).row_logits(0))
+    a, b = pipeline.run(nxt, n, state), pipeline.run(nxt, n, other)
+    same_logits = (a.row_argmax(0) == b.row_argmax(0) if pipeline.head_argmax
+                   else np.array_equal(a.row_logits(0), b.row_logits(0)))
     path = workdir / f"bench-{n}.slot"
     t_save, size = best_of(repeats, lambda: save_slot(path, layout, tokens, rows))
     t_load, _ = best_of(repeats, lambda: load_slot(path, layout))

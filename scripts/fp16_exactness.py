@@ -47,7 +47,7 @@ def main() -> None:
     loaded = load_manifest(args.manifest or _tiny_build())
     # Random prompts of ordinary (NORMAL-type) tokens; on the tiny model these are ids 0..957,
     # drawn exactly as the first version of this script drew them.
-    types = json.loads(loaded.path(loaded.manifest.tokenizer).read_text())["token_types"]
+    types = loaded.tokenizer_data().token_types
     ordinary = np.array([i for i, t in enumerate(types) if t == 1])
     rng = np.random.default_rng(0)
     prompts = [ordinary[rng.integers(0, len(ordinary), int(rng.integers(3, 60)))].tolist()

@@ -234,7 +234,8 @@ def run_report(args: argparse.Namespace) -> dict:
     print(f"1. llama.cpp loads {gguf.name}: {report['load']}")
 
     tok = Tokenizer.from_data(open_gguf(gguf).tokenizer_data)
-    texts = TOKENIZE_TEXTS + code_prompts()
+    prompts = code_prompts()  # reads the stdlib corpus: once
+    texts = TOKENIZE_TEXTS + prompts
     theirs = call_llama_cpp("tokenize", gguf, {"texts": texts})
     mismatches = [t for i, t in enumerate(texts)
                   if tok.encode(t, special=True) != theirs["special"][i]
@@ -245,7 +246,6 @@ def run_report(args: argparse.Namespace) -> dict:
           f"(special on and off, {n_ids} ids)")
 
     manifest = build_q8_block(gguf, work / "q8-block")
-    prompts = code_prompts()
     ours = [project_generate(manifest, p, args.max_tokens) for p in prompts]
     llama = call_llama_cpp("greedy", gguf, {"prompts": [tok.encode(p, special=True)
                                                        for p in prompts],

@@ -116,11 +116,9 @@ class TinyPhi3(nn.Module):
         return rms_norm(h, self.output_norm, c.rms_eps) @ self.token_embd.T
 
     def gguf_tensors(self) -> dict[str, np.ndarray]:
-        out = {"token_embd.weight": self.token_embd, "output_norm.weight": self.output_norm}
-        for i, b in enumerate(self.blocks):
-            for part in ("attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down"):
-                out[f"blk.{i}.{part}.weight"] = getattr(b, part)
-        return {name: p.detach().float().numpy() for name, p in out.items()}
+        params = dict(self.named_parameters())
+        return {name: params[param].detach().float().numpy()
+                for name, param in _gguf_names(self).items()}
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> "TinyPhi3":

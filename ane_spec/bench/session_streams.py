@@ -36,7 +36,7 @@ from collections.abc import Callable
 from functools import lru_cache
 
 from ane_spec.bench.streams import (
-    _DOC_MODULES, _MODULES, _doc, _edit_candidates, _functions, _signature,
+    _DOC_MODULES, _MODULES, _doc, _edit_candidates, _functions, _signature, _source,
 )
 from ane_spec.errors import AneSpecError
 
@@ -79,6 +79,7 @@ def _action(tool: str, **args: str) -> str:
     return "Action: " + json.dumps({"tool": tool, "args": args})
 
 
+@lru_cache(maxsize=None)  # every agent-loop request scans every module; callers only sample it
 def _sources(module: str, lo: int = 300, hi: int = 2500) -> list[tuple[str, str]]:
     out = []
     for name, fn in _functions(module):
@@ -92,8 +93,6 @@ def _sources(module: str, lo: int = 300, hi: int = 2500) -> list[tuple[str, str]
 
 
 def _grep(module: str, word: str, limit: int = 12) -> str:
-    from ane_spec.bench.streams import _source
-
     hits = [f"{no}: {line.strip()}" for no, line in enumerate(_source(module).splitlines(), 1)
             if re.search(rf"\b{re.escape(word)}\b", line)]
     return "\n".join(hits[:limit]) or "(no matches)"

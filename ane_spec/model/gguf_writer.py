@@ -19,14 +19,13 @@ from gguf.quants import quantize as gguf_quantize
 
 from ane_spec.errors import ConfigError
 from ane_spec.model.config import ModelConfig
-from ane_spec.model.gguf_file import expected_tensor_shapes
+from ane_spec.model.gguf_file import OPTIONAL_TENSORS, expected_tensor_shapes
 from ane_spec.model.quant import Q8_0_BLOCK, Q8_0_BLOCK_BYTES, q8_0_quantize
 from ane_spec.model.tokenizer import TokenizerData
 
 #: `general.file_type` per matrix type (llama_ftype: MOSTLY_Q8_0 = 7, MOSTLY_F16 = 1, MOSTLY_BF16 = 32)
 FILE_TYPES = {GGMLQuantizationType.Q8_0: 7, GGMLQuantizationType.F16: 1,
               GGMLQuantizationType.BF16: 32}
-ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 Chunks = Callable[[], Iterator[np.ndarray]]
 
@@ -116,7 +115,7 @@ def _check_tensors(config: ModelConfig, vocab: TokenizerData,
         raise ConfigError(f"the vocabulary has {len(vocab.tokens)} tokens but the config says "
                           f"vocab_size {config.vocab_size}")
     half = config.rope_dims // 2
-    expected = {name: (half,) for name in ROPE_FACTOR_TENSORS} | expected_tensor_shapes(config)
+    expected = {name: (half,) for name in OPTIONAL_TENSORS} | expected_tensor_shapes(config)
     if set(tensors) != set(expected):
         missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
         raise ConfigError(f"tensor set differs from the phi3 layout: missing {missing[:3]}, "
