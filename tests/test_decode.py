@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ane_spec.decode.sampling import SamplingParams
 from ane_spec.decode.session import DecodeSession, GenerateOptions
 from ane_spec.decode.verify import verify_greedy
 from ane_spec.errors import AneSpecError

@@ -30,7 +30,7 @@ from typing import Any
 
 from ane_spec.decode.cost import draft_policy
 from ane_spec.decode.drafter import NgramDrafter
-from ane_spec.decode.session import DecodeSession, GenerateOptions, GenerationResult
+from ane_spec.decode.session import DecodeSession, GenerateOptions
 from ane_spec.errors import AneSpecError
 from ane_spec.manifests.store import record_drift
 from ane_spec.probes.drift import measure_drift
@@ -369,11 +369,9 @@ class Engine:
         p = self.pipeline
         state = p.new_state()
         steps: list[tuple[str, Callable[[], Any]]] = []
-        # Each pass width a process runs costs Core ML one JIT specialisation per shard: the
-        # fixed shape runs only T=4, so only T=4 is paid for.
-        widths = [p.max_t] if p.decode_shape == "fixed" else sorted({1, p.max_t})
+        # The fixed shape runs only T=4, so only T=4's JIT is paid for.
         n = len(p.shards)
-        for t in widths:
+        for t in p.jit_widths:
             for k in range(n):
                 steps.append((f"T={t} shard {k + 1}/{n}",
                               lambda t=t, k=k: self._warm_shard(t, k, state)))

@@ -27,18 +27,18 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
-from ane_spec.errors import AneSpecError
 from ane_spec.manifests.store import LoadedManifest, load_manifest
 from ane_spec.peak_memory import peak_rss_bytes
 from ane_spec.probes.report import GateReport
 from ane_spec.runtime.backend import (
     RESHAPE_FREQUENCY_FOR_DECODE_SHAPE,
     BackendUnavailable,
+    check_decode_shape,
     make_backend,
 )
+from ane_spec.runtime.state_budget import ANE_PROCESS_BYTES, slot_budget
 
 Status = Literal["passed", "failed", "skipped"]
-ANE_PROCESS_LIMIT_GB = 3.0  # seed log: a second shard set failed with error -14 at about 3 GB
 WARM_REPEATS = 5
 # CPU_AND_NE must beat CPU_ONLY by this much at T=4 for the ANE to count as used (ane-book: a T=4
 # pass costs about a T=1 pass on the ANE, several times more on the CPU).
@@ -68,7 +68,7 @@ class Skip(Exception):
 class DoctorRun:
     """What the checks share: the build (if any), where scratch packages go, loaded pipelines."""
 
-    manifest: str | Path | None
+    build: LoadedManifest | None  # verified once by run_doctor
     work: Path
     decode_shape: str = "fixed"
     gguf: str | None = None
@@ -96,11 +96,11 @@ class DoctorRun:
         if self.coreml_problem:
             raise Skip(self.coreml_problem)
 
-    @cached_property
+    @property
     def loaded(self) -> LoadedManifest:
-        if self.manifest is None:
+        if self.build is None:
             raise Skip("needs --manifest (a build)")
-        return load_manifest(self.manifest, verify=False)  # run_doctor verified it once
+        return self.build
 
     def need_build_on_coreml(self) -> None:
         self.loaded  # noqa: B018 (raises Skip without a build)
@@ -267,10 +267,9 @@ def check_cold_jit(run: DoctorRun) -> Verdict:
     t0 = time.perf_counter()
     pipeline = run.pipeline("CPU_AND_NE")
     load_s = time.perf_counter() - t0
-    widths = (4, 1) if run.decode_shape == "mixed" else (4,)
     labels = [label for label, _, _ in run.packages()]
     first: dict[str, dict[str, float]] = {label: {} for label in labels}
-    for width in widths:
+    for width in pipeline.jit_widths:
         state = pipeline.new_state()
         inputs = pipeline.host.block(0, width)
         hidden = pipeline.to_hidden(np.zeros((width, pipeline.config.hidden_size)))
@@ -369,17 +368,15 @@ def check_peak_memory(run: DoctorRun) -> Verdict:
     run.need_build_on_coreml()
     if "CPU_AND_NE" not in run.pipelines:
         raise Skip("the build was not loaded on Core ML (an earlier check failed)")
-    gb = peak_rss_bytes() / 1e9
-    status: Status = "passed" if gb < ANE_PROCESS_LIMIT_GB else "failed"
-    return Verdict(status, f"peak RSS {gb:.2f} GB (per-process ANE limit seen "
-                 f"at ~{ANE_PROCESS_LIMIT_GB:.0f} GB)", {"peak_rss_gb": round(gb, 3)})
+    peak = peak_rss_bytes()
+    status: Status = "passed" if peak < ANE_PROCESS_BYTES else "failed"
+    return Verdict(status, f"peak RSS {peak / 1e9:.2f} GB (per-process ANE limit seen "
+                 f"at ~{ANE_PROCESS_BYTES / 1e9:.0f} GB)", {"peak_rss_gb": round(peak / 1e9, 3)})
 
 
 def check_kv_slots(run: DoctorRun) -> Verdict:
     """How many conversations' K/V states `serve` can keep resident: counted against the ~3 GB
     per-process ANE budget the seed log hit, and against host memory."""
-    from ane_spec.runtime.state_budget import slot_budget
-
     budget = slot_budget(run.loaded.manifest)
     status: Status = "passed" if budget.ane_slots >= 1 else "failed"
     return Verdict(status, budget.summary(), budget.to_dict())
@@ -411,17 +408,16 @@ CHECKS: list[tuple[str, CheckFn]] = [
 def run_doctor(manifest: str | Path | None = None, *, decode_shape: str = "fixed",
                gguf: str | None = None, progress: Callable[[str], None] = lambda msg: None,
                checks: list[tuple[str, CheckFn]] | None = None) -> list[Check]:
-    if decode_shape not in RESHAPE_FREQUENCY_FOR_DECODE_SHAPE:
-        raise AneSpecError(f"unknown decode shape '{decode_shape}' (choose fixed or mixed)")
-    if manifest is not None:
-        load_manifest(manifest, verify=True)  # a bad build is one clear error, not 10 failures
+    check_decode_shape(decode_shape)
+    # A bad build is one clear error, not 10 failures.
+    build = None if manifest is None else load_manifest(manifest, verify=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="ane-spec-doctor-") as work:
-        run = DoctorRun(manifest, Path(work), decode_shape, gguf, progress)
+        run = DoctorRun(build, Path(work), decode_shape, gguf, progress)
         for name, check in checks or CHECKS:
             progress(f"{name} ...")
             verdict = _run_one(check, run)
-            results.append(Check(name, verdict.status, verdict.summary, verdict.details))
+            results.append(Check(name, **vars(verdict)))
     return results
 
 
@@ -442,7 +438,7 @@ def _packages_or_synthetic(run: DoctorRun) -> list[tuple[str, Path, str]]:
     """The build's packages, or without a build the d1024 synthetic-t4 layer package (the tiny
     one's 16-wide heads are below the ANE's 32-multiple state rule on purpose: it is a numerics
     probe)."""
-    if run.manifest is not None:
+    if run.build is not None:
         return run.packages()
     path, _, _ = run.synthetic("d1024")
     return [("synthetic-t4 d1024", path, "")]

@@ -29,6 +29,12 @@ RESHAPE_FREQUENCY_FOR_DECODE_SHAPE: dict[DecodeShape, ReshapeFrequency] = {
     "fixed": "Infrequent", "mixed": "Frequent"}
 
 
+def check_decode_shape(decode_shape: str) -> None:
+    if decode_shape not in DECODE_SHAPES:
+        raise AneSpecError(f"unknown decode shape '{decode_shape}' (choose "
+                           f"{' or '.join(DECODE_SHAPES)})")
+
+
 class BackendUnavailable(AneSpecError):
     """The requested backend cannot run on this machine (e.g. Core ML off macOS)."""
 
@@ -66,8 +72,7 @@ class Backend(Protocol):
 
 def make_backend(name: BackendName, *, precision: Precision = "fp32",
                  compute_units: str = "CPU_AND_NE", decode_shape: DecodeShape = "fixed") -> Backend:
-    if decode_shape not in RESHAPE_FREQUENCY_FOR_DECODE_SHAPE:
-        raise AneSpecError(f"unknown decode shape '{decode_shape}' (choose fixed or mixed)")
+    check_decode_shape(decode_shape)
     if name == "mil":
         from ane_spec.runtime.mil_backend import MILBackend
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from ane_spec.errors import AneSpecError
 from ane_spec.manifests.store import LoadedManifest
-from ane_spec.runtime.backend import DECODE_SHAPES, Backend, DecodeShape, LoadedProgram
+from ane_spec.runtime.backend import Backend, DecodeShape, LoadedProgram, check_decode_shape
 from ane_spec.runtime.fp16_argmax import chunked_argmax
 from ane_spec.runtime.host_inputs import HostInputs
 
@@ -139,9 +139,7 @@ class ShardPipeline:
     measurements: dict[str, Any] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
-        if self.decode_shape not in DECODE_SHAPES:
-            raise AneSpecError(f"unknown decode shape '{self.decode_shape}' (choose "
-                               f"{' or '.join(DECODE_SHAPES)})")
+        check_decode_shape(self.decode_shape)
         m = self.loaded.manifest
         self.manifest = m
         self.config = m.model
@@ -167,6 +165,12 @@ class ShardPipeline:
     def pass_width(self, t: int) -> int:
         """Rows a pass carrying `t` tokens computes under this pipeline's decode shape."""
         return self.max_t if self.decode_shape == "fixed" else t
+
+    @property
+    def jit_widths(self) -> list[int]:
+        """The pass widths this decode shape runs: on Core ML, one JIT specialisation per
+        program each, paid on first use."""
+        return [self.max_t] if self.decode_shape == "fixed" else sorted({1, self.max_t})
 
     @cached_property
     def tokenizer_data(self):
