@@ -346,7 +346,7 @@ def check_block(run: DoctorRun) -> Verdict:
 def check_drift(run: DoctorRun) -> Verdict:
     from ane_spec.probes.drift import measure_drift
 
-    return _from_gate(measure_drift(run.pipeline()), run.decode_shape)
+    return _from_gate(measure_drift(run.pipeline()))
 
 
 def check_parity(run: DoctorRun) -> Verdict:
@@ -359,7 +359,7 @@ def check_parity(run: DoctorRun) -> Verdict:
         raise Skip(f"needs the source GGUF ({source} is not there; pass --gguf PATH)")
     if importlib.util.find_spec("torch") is None:
         raise Skip("needs torch for the reference forward pass: pip install 'ane-spec[reference]'")
-    return _from_gate(gate_parity(run.loaded, run.pipeline(), run.gguf), run.decode_shape)
+    return _from_gate(gate_parity(run.loaded, run.pipeline(), run.gguf))
 
 
 def check_peak_memory(run: DoctorRun) -> Verdict:
@@ -444,13 +444,12 @@ def _packages_or_synthetic(run: DoctorRun) -> list[tuple[str, Path, str]]:
     return [("synthetic-t4 d1024", path, "")]
 
 
-def _from_gate(report: GateReport, decode_shape: str | None = None) -> Verdict:
+def _from_gate(report: GateReport) -> Verdict:
     if report.skipped:
         return Verdict("skipped", report.skipped, report.to_dict())
-    where = "/".join(p for p in (report.backend, report.precision, decode_shape) if p)
     figures = ", ".join(f"{k} {_fmt(v)}" for k, v in report.figures.items()
                         if not isinstance(v, (list, dict)) and k != "verdict")
-    return Verdict("passed" if report.passed else "failed", f"[{where}] {figures}",
+    return Verdict("passed" if report.passed else "failed", f"[{report.where}] {figures}",
                  report.to_dict())
 
 

@@ -35,8 +35,8 @@ def measure_drift(pipeline: ShardPipeline, lengths=CALIBRATION_LENGTHS, seed: in
     if room < 1:
         raise AneSpecError(f"drift calibration needs more than {CONTINUATION} slots; the build "
                            f"has {m.build.max_seq}")
-    prompts = gate_prompts(m.model.vocab_size, m.build.max_seq + 8,
-                           [min(n, room) for n in lengths], seed=seed)
+    prompts = gate_prompts(m.model.vocab_size, m.build.max_seq,
+                           [min(n, room) for n in lengths], seed=seed, reserve=0)
     rng = np.random.default_rng(seed)
     diffs = []
     for prompt in prompts:
@@ -60,7 +60,7 @@ def measure_drift(pipeline: ShardPipeline, lengths=CALIBRATION_LENGTHS, seed: in
     figures = {"drift": drift, "median_row_drift": float(np.median(diffs)),
                "p99_row_drift": float(np.quantile(diffs, 0.99)), "rows": len(diffs)}
     return GateReport("drift", True, pipeline.backend.name, pipeline.backend.precision, figures,
-                      {}, {"row_drift": diffs})
+                      {}, {"row_drift": diffs}, decode_shape=pipeline.decode_shape)
 
 
 def _rows(out) -> np.ndarray:

@@ -101,10 +101,8 @@ def run_gates(manifest: str | os.PathLike[str], gates: tuple[str, ...], *,
                 verify = False  # hashed once is enough
             if gate == "parity":
                 report = gate_parity(loaded, pipeline, gguf)
-                report.decode_shape = pipeline.decode_shape
             elif gate == "drift":
                 report = measure_drift(pipeline)
-                report.decode_shape = pipeline.decode_shape
                 pipeline.manifest.drift[pipeline.drift_key] = report.figures["drift"]
                 record_drift(loaded.root, pipeline.drift_key, report.figures["drift"])
             elif gate == "row-invariance":

@@ -61,12 +61,18 @@ def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def gate_prompts(vocab_size: int, max_seq: int, lengths: Sequence[int],
-                 special_ids: Sequence[int] = (), seed: int = 0) -> list[list[int]]:
-    """Seeded random prompts of ordinary (non-special) tokens, clipped to the context."""
+                 special_ids: Sequence[int] = (), seed: int = 0,
+                 reserve: int = DEFAULT_DECODE_STEPS) -> list[list[int]]:
+    """Seeded random prompts of ordinary (non-special) tokens, clipped to leave `reserve` slots
+    of the context for decoding."""
     rng = np.random.default_rng(seed)
     allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(special_ids, dtype=np.int64))
-    return [rng.choice(allowed, size=min(n, max_seq - DEFAULT_DECODE_STEPS)).tolist()
-            for n in lengths]
+    return [rng.choice(allowed, size=min(n, max_seq - reserve)).tolist() for n in lengths]
+
+
+def special_token_ids(pipeline: ShardPipeline) -> list[int]:
+    """CONTROL and USER_DEFINED tokens: gate prompts leave them out."""
+    return [i for i, t in enumerate(pipeline.tokenizer_data.token_types) if t in (3, 4)]
 
 
 def run_parity(loaded: LoadedManifest, pipeline: ShardPipeline, gguf,
@@ -82,7 +88,7 @@ def run_parity(loaded: LoadedManifest, pipeline: ShardPipeline, gguf,
     graph_ref = ReferenceModel(gguf, context_window=window,
                                weight_transform=stored_weights(m.build.weights))
     model_ref = ReferenceModel(gguf, context_window=window)
-    specials = [i for i, t in enumerate(pipeline.tokenizer_data.token_types) if t in (3, 4)]
+    specials = special_token_ids(pipeline)
     graph, model, per_prompt = _Tally(), _Tally(), []
     for prompt in gate_prompts(m.model.vocab_size, window, lengths, specials):
         continuation = graph_ref.generate(prompt, decode_steps)[:decode_steps]
@@ -97,7 +103,8 @@ def run_parity(loaded: LoadedManifest, pipeline: ShardPipeline, gguf,
     passed = (figures["min_cosine"] >= thresholds["min_cosine"]
               and figures["decisive_argmax_agreement"] >= thresholds["decisive_argmax_agreement"])
     return GateReport("parity", passed, backend, precision, figures, thresholds,
-                      {"weights": m.build.weights, "prompts": per_prompt})
+                      {"weights": m.build.weights, "prompts": per_prompt},
+                      decode_shape=pipeline.decode_shape)
 
 
 class _Tally:

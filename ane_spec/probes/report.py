@@ -32,16 +32,24 @@ class GateReport:
         return {**head, **self.figures, "passed": self.passed}
 
     @property
+    def _where(self) -> list[str]:
+        return [p for p in (self.backend, self.precision, self.decode_shape) if p]
+
+    @property
     def key(self) -> str:
         """`backend-precision[-shape]`: where the figures were measured."""
-        return "-".join(p for p in (self.backend, self.precision, self.decode_shape) if p)
+        return "-".join(self._where)
+
+    @property
+    def where(self) -> str:
+        """`backend/precision[/shape]`, for people."""
+        return "/".join(self._where)
 
     def summary(self) -> str:
         if self.skipped:
             return f"{self.gate}: SKIPPED ({self.skipped})"
         figs = ", ".join(f"{k} {_fmt(v)}" for k, v in self.figures.items())
-        where = "/".join(p for p in (self.backend, self.precision, self.decode_shape) if p)
-        return f"{self.gate} [{where}]: {'PASS' if self.passed else 'FAIL'}  {figs}"
+        return f"{self.gate} [{self.where}]: {'PASS' if self.passed else 'FAIL'}  {figs}"
 
 
 def _fmt(v: Any) -> str:

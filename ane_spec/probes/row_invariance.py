@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ane_spec.probes.parity import gate_prompts
+from ane_spec.probes.parity import gate_prompts, special_token_ids
 from ane_spec.probes.report import GateReport
 from ane_spec.runtime.pipeline import BlockOutput, PipelineState, ShardPipeline
 
@@ -62,10 +62,10 @@ def run_row_invariance(pipeline: ShardPipeline, prefix_lengths: tuple[int, ...] 
     lengths = [p for p in prefix_lengths if p + n <= s]
     if end_of_context:
         lengths.append(s - n)
-    specials = [i for i, t in enumerate(pipeline.tokenizer_data.token_types) if t in (3, 4)]
     rng = np.random.default_rng(seed)
     cases, failures, worst_logit, worst_state = [], [], 0.0, 0.0
-    for prefix in gate_prompts(pipeline.config.vocab_size, s + 8, lengths, specials, seed):
+    for prefix in gate_prompts(pipeline.config.vocab_size, s, lengths,
+                               special_token_ids(pipeline), seed, reserve=0):
         p = len(prefix)
         probe = rng.integers(0, pipeline.config.vocab_size, n).tolist()
         filled = pipeline.new_state()
