@@ -26,6 +26,7 @@ from typing import Any
 
 from ane_spec.daemon.protocol import ChatMessage, NamedToolChoice, Tool, tool_call_delta
 from ane_spec.decode.grammar import JSON_OPTIONS
+from ane_spec.decode.stops import StopMatcher
 
 TOOL_CALL = "<|tool_call|>"
 TOOL_CALL_END = "<|/tool_call|>"
@@ -113,8 +114,7 @@ class ToolCallParser:
     """
 
     def __init__(self) -> None:
-        self._held = ""         # text not yet classified
-        self._in_calls = False  # past <|tool_call|>
+        self._content = StopMatcher([TOOL_CALL])  # content, held back at a partial marker
         self._done = False
         self._call_text = ""
         self._pos = 0           # cursor into _call_text
@@ -127,23 +127,14 @@ class ToolCallParser:
         """(content to show, tool-call deltas) for this piece of text."""
         if self._done or not text:
             return "", []
-        if not self._in_calls:
-            self._held += text
-            cut = self._held.find(TOOL_CALL)
-            if cut < 0:
-                keep = _partial_suffix(self._held, TOOL_CALL)
-                out, self._held = self._held[:len(self._held) - keep], self._held[
-                    len(self._held) - keep:]
-                return out, []
-            content, rest = self._held[:cut], self._held[cut + len(TOOL_CALL):]
-            self._held, self._in_calls = "", True
-            return content, self._scan(rest)
+        if not self._content.stopped:  # before <|tool_call|>
+            content = self._content.push(text)
+            return content, self._scan(self._content.tail) if self._content.stopped else []
         return "", self._scan(text)
 
     def finish(self) -> str:
         """Content still held back at the end of the stream."""
-        out, self._held = self._held, ""
-        return "" if self._in_calls else out
+        return self._content.flush()
 
     @property
     def complete(self) -> bool:
@@ -203,10 +194,3 @@ class ToolCallParser:
             self._depth -= 1
             if self._depth == 0:
                 self._state = "close"
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0

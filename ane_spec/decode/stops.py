@@ -14,16 +14,18 @@ class StopMatcher:
         self.stops = [s for s in stops if s]
         self.held = ""
         self.stopped = False
+        self.tail = ""  # the text after the stop string, once one completed
 
     def push(self, text: str) -> str:
         """Add newly decoded text; return what is safe to emit now."""
         if self.stopped:
             return ""
         self.held += text
-        cut = min((i for i in (self.held.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, -len(s), s) for s in self.stops if (i := self.held.find(s)) >= 0]
+        if found:
+            cut, _, stop = min(found)
             self.stopped = True
-            out, self.held = self.held[:cut], ""
+            out, self.tail, self.held = self.held[:cut], self.held[cut + len(stop):], ""
             return out
         keep = self._longest_partial_suffix()
         out = self.held[: len(self.held) - keep]
