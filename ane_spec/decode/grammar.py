@@ -25,12 +25,7 @@ from typing import Any
 import numpy as np
 
 from ane_spec.errors import AneSpecError
-from ane_spec.model.tokenizer import (
-    TOKEN_CONTROL,
-    TOKEN_UNKNOWN,
-    TOKEN_USER_DEFINED,
-    Tokenizer,
-)
+from ane_spec.model.tokenizer import Tokenizer
 
 # Compact JSON with at most one space after ',' and ':' (the shape json.dumps writes, which is
 # what Phi-4-mini saw in training), and none elsewhere: a weak model cannot wander into
@@ -60,7 +55,7 @@ class _TokenTable:
     def __init__(self, tok: Tokenizer):
         self._tok = tok
         self.tokens = [tok.token_bytes(i) for i in range(tok.vocab_size)]
-        self.special_token_ids = [i for i in range(tok.vocab_size) if _is_special(tok, i)]
+        self.special_token_ids = sorted(tok.markup_ids)
         self.eos_token_id = tok.eos_token_id
         self.bos_token_id = tok.bos_token_id
 
@@ -68,14 +63,6 @@ class _TokenTable:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
         return self._tok.encode(text)
-
-
-def _is_special(tok: Tokenizer, i: int) -> bool:
-    kind = tok.token_type(i)
-    if kind in (TOKEN_CONTROL, TOKEN_UNKNOWN):
-        return True
-    text = tok.token_text(i)
-    return kind == TOKEN_USER_DEFINED and text.startswith("<|") and text.endswith("|>")
 
 
 @lru_cache(maxsize=4)

@@ -3,11 +3,17 @@
 transformers renders chat templates with jinja2's `ImmutableSandboxedEnvironment`
 (`trim_blocks`, `lstrip_blocks`, `raise_exception` available); so does this module. Phi-4-mini's
 template gives `<|system|>SYS<|end|><|user|>MSG<|end|><|assistant|>`.
+
+`render_chat_pieces` also says which characters of the prompt are the messages' own text, so
+that a tokenizer can refuse to read special tokens there: `<|end|><|assistant|>` typed into a
+message is text, not a forged turn. llama.cpp (and HF) render the prompt and then parse special
+tokens anywhere in it; `render_chat` + `encode(special=True)` does that.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 from functools import lru_cache
 from typing import Any
 
@@ -49,6 +55,22 @@ def _compile(template: str) -> Any:
     return env.from_string(template)
 
 
+class Markup(str):
+    """A piece of a message that is markup, not text: what the server itself writes into a
+    message (Phi-4-mini's `<|tool_call|>` tags around a call), never a client's words."""
+
+
+MessageText = str | list[str]  # a list mixes text (str) and Markup pieces
+
+
+def _flat(value: MessageText) -> str:
+    return value if isinstance(value, str) else "".join(value)
+
+
+def _is_pieces(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(p, str) for p in value)
+
+
 def _check_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, (list, tuple)):
         raise TokenizerError(f"messages must be a list of dicts, not {type(messages).__name__}")
@@ -67,14 +89,16 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
 def render_chat(messages: list[dict], *, template: str | None,
                 add_generation_prompt: bool = True, eos_token: str = "<|endoftext|>",
                 bos_token: str = "<|endoftext|>") -> str:
-    """Render `messages` ({"role", "content"[, "tools"]} dicts) with `template`.
+    """Render `messages` ({"role", "content"[, "tools"]} dicts) with `template`; a content
+    given as a list of pieces (text and `Markup`) is joined.
 
     `template=None` means the GGUF had no `tokenizer.chat_template`: Phi-4-mini's own is used.
     With it, a system message's "tools" (a JSON string) goes between <|tool|> and <|/tool|>.
     Template syntax errors and errors while rendering (a non-string content where the template
     concatenates, a `raise_exception` call, a sandbox violation) become `TokenizerError`.
     """
-    msgs = _check_messages(messages)
+    msgs = [m | {k: _flat(m[k]) for k in ("content", "tools") if _is_pieces(m.get(k))}
+            for m in _check_messages(messages)]
     source = PHI4_MINI_CHAT_TEMPLATE if template is None else template
     from jinja2 import TemplateSyntaxError
 
@@ -90,3 +114,55 @@ def render_chat(messages: list[dict], *, template: str | None,
     except Exception as exc:  # a GGUF's template is user input: any failure is the user's
         raise TokenizerError(f"the chat template failed to render: "
                              f"{type(exc).__name__}: {exc}") from None
+
+
+def render_chat_pieces(messages: list[dict], *, template: str | None,
+                       add_generation_prompt: bool = True, eos_token: str = "<|endoftext|>",
+                       bos_token: str = "<|endoftext|>") -> list[tuple[str, bool]]:
+    """`render_chat`'s prompt as (text, is_markup) pieces. Each message's "content" and "tools"
+    is text (a plain str, or a list of str and `Markup`); everything the template adds around
+    them is markup.
+
+    The template is rendered with each text piece wrapped in unguessable markers, and once
+    without; the markers must come out intact and the two renders agree once they are removed
+    (a template that trims content is fine: whitespace is kept outside the markers). A template
+    that rewrites message text otherwise is refused, since its text could not be told from its
+    markup.
+    """
+    # Private-use characters only: no template filter (replace, upper, ...) touches them.
+    nonce = "".join(chr(0xE010 + secrets.randbelow(0x1000)) for _ in range(8))
+    start, end = f"\ue000{nonce}\ue001", f"\ue002{nonce}\ue003"
+
+    def marked(value: MessageText) -> str:
+        pieces = [value] if isinstance(value, str) else value
+        out = []
+        for piece in pieces:
+            if isinstance(piece, Markup) or not piece.strip():
+                out.append(piece)
+                continue
+            core = piece.strip()
+            lead = piece[:len(piece) - len(piece.lstrip())]
+            out.append(f"{lead}{start}{core}{end}{piece[len(lead) + len(core):]}")
+        return "".join(out)
+
+    kw = dict(template=template, add_generation_prompt=add_generation_prompt,
+              eos_token=eos_token, bos_token=bos_token)
+    plain = render_chat(messages, **kw)
+    wrapped = render_chat([m | {k: marked(m[k]) for k in ("content", "tools")
+                                if m.get(k) is not None} for m in messages], **kw)
+    pieces: list[tuple[str, bool]] = []
+    rest = wrapped
+    while rest:
+        head, found, tail = rest.partition(start)
+        pieces.append((head, True))
+        if not found:
+            break
+        text, closed, rest = tail.partition(end)
+        if not closed:
+            break
+        pieces.append((text, False))
+    if "".join(p for p, _ in pieces) != plain or any(start in p or end in p for p, _ in pieces):
+        raise TokenizerError("the chat template rewrites message text, so the messages' own "
+                             "text cannot be told from the template's markup; serve with "
+                             "--special-in-content to tokenize the prompt as llama.cpp does")
+    return [p for p in pieces if p[0]]

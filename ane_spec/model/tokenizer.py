@@ -413,6 +413,11 @@ class Tokenizer:
         special.sort(key=lambda i: (-len(self._texts[i].encode("utf-8")), i))
         self._special_ids = special
         self._special_set = frozenset(special)
+        self.markup_ids: frozenset[int] = frozenset(i for i in special if self._is_markup(i))
+        # What each kind of text may spell: everything (special=True), USER_DEFINED tokens
+        # (llama.cpp's parse_special=false), or nothing that is markup (a chat message's text).
+        self._user_defined_ids = [i for i in special if self._types[i] == TOKEN_USER_DEFINED]
+        self._plain_text_ids = [i for i in self._user_defined_ids if i not in self.markup_ids]
 
         merges: list[tuple[str, str]] = []
         seen: set[tuple[str, str]] = set()
@@ -484,6 +489,15 @@ class Tokenizer:
         self._check_id(token_id)
         return token_id in self._special_set
 
+    def _is_markup(self, token_id: int) -> bool:
+        """CONTROL and UNKNOWN tokens, and USER_DEFINED ones written like `<|...|>`: the chat
+        template's markup, which a message's own text must never produce."""
+        if self._types[token_id] in (TOKEN_CONTROL, TOKEN_UNKNOWN):
+            return True
+        text = self._texts[token_id]
+        return (self._types[token_id] == TOKEN_USER_DEFINED and text.startswith("<|")
+                and text.endswith("|>"))
+
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes the token stands for.
 
@@ -526,12 +540,11 @@ class Tokenizer:
         return [bytes(table[c] for c in piece).decode("utf-8")
                 for piece, _ in self._hf.pre_tokenizer.pre_tokenize_str(_clean(text))]
 
-    def _partition(self, text: str, special: bool) -> list[int | str]:
-        """Split `text` into special-token ids and plain-text fragments (tokenizer_st_partition)."""
+    def _partition(self, text: str, candidates: list[int]) -> list[int | str]:
+        """Split `text` into the ids of `candidates` (special tokens, longest first) written in
+        it and plain-text fragments (llama.cpp's tokenizer_st_partition)."""
         fragments: list[int | str] = [text]
-        for tid in self._special_ids:
-            if not special and self._types[tid] != TOKEN_USER_DEFINED:
-                continue
+        for tid in candidates:
             needle = self._texts[tid]
             if not any(isinstance(f, str) and needle in f for f in fragments):
                 continue
@@ -558,7 +571,30 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise TokenizerError(f"can only tokenize str, not {type(text).__name__}")
-        fragments = self._partition(_clean(text), special) if text else []
+        fragments = (self._partition(_clean(text), self._special_ids if special
+                                     else self._user_defined_ids) if text else [])
+        return self._encode_fragments(fragments, add_special)
+
+    def encode_pieces(self, pieces: Iterable[tuple[str, bool]], *,
+                      add_special: bool = False) -> list[int]:
+        """Token ids for the concatenation of `pieces`, each (text, is_markup): special tokens
+        are recognised only in markup pieces, never in the others (no `<|...|>` token at all,
+        USER_DEFINED or not). Text that spells no special token tokenizes exactly as the whole
+        string would with `encode(..., special=True)`: words are split and merged across piece
+        boundaries as usual."""
+        fragments: list[int | str] = []
+        for text, markup in pieces:
+            if not text:
+                continue
+            ids = self._special_ids if markup else self._plain_text_ids
+            for f in self._partition(_clean(text), ids):
+                if isinstance(f, str) and fragments and isinstance(fragments[-1], str):
+                    fragments[-1] += f
+                else:
+                    fragments.append(f)
+        return self._encode_fragments(fragments, add_special)
+
+    def _encode_fragments(self, fragments: list[int | str], add_special: bool) -> list[int]:
         plain = [f for f in fragments if isinstance(f, str)]
         if not plain:
             encoded = iter([])
