@@ -23,7 +23,16 @@ from collections.abc import Sequence
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from ane_spec.errors import AneSpecError
+
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range; -100 bans a token in practice, and so does -inf here
+
+
+class NoTokenLeft(AneSpecError):
+    """Every token's logit is -inf: banned by logit_bias or masked by the grammar."""
+
+    def __init__(self) -> None:
+        super().__init__("logit_bias and the grammar together leave no token that may come next")
 
 
 class SamplingParams(BaseModel):
@@ -95,8 +104,14 @@ class LogitProcessor:
 def target_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """p over the vocabulary after temperature, top-k, top-p and min-p (float64, sums to 1).
     Logits of -inf (masked tokens) get probability 0."""
-    z = logits.astype(np.float64) / params.temperature
-    z -= z.max()
+    z = logits.astype(np.float64)
+    top = z.max()
+    if top == -np.inf:
+        raise NoTokenLeft()
+    # Shift, then scale: the largest is 0 whatever the temperature, so a tiny one (5e-324)
+    # sends the others to -inf (probability 0), the greedy limit, instead of inf - inf = NaN.
+    with np.errstate(over="ignore", divide="ignore"):
+        z = (z - top) / params.temperature
     p = np.exp(z)
     p /= p.sum()
     if 0 < params.top_k < len(p):

@@ -111,17 +111,24 @@ class DecodeSession:
     # --- public ------------------------------------------------------------------------------
 
     def generate(self, prompt: Sequence[int], options: GenerateOptions = GenerateOptions(),
-                 on_text: OnText | None = None) -> GenerationResult:
+                 on_text: OnText | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> GenerationResult:
         """Generate after `prompt`. `on_text` receives each safe-to-show piece of text and may
-        return False to cancel; cancellation takes effect at the next pass boundary."""
+        return False to cancel; `should_stop` is asked before every pass (output made only of
+        invisible tokens never calls on_text). Cancellation takes effect at the next pass
+        boundary, prefill included."""
         prompt = [int(t) for t in prompt]
         self._check(prompt, options)
         run = _Run(self, options, on_text, prompt,
                    RequestStats(prompt_tokens=len(prompt), decode_shape=self.pipeline.decode_shape))
+        run.should_stop = should_stop or run.should_stop
         t0 = time.perf_counter()
-        last = self._prefill(prompt, run.stats)
+        last = self._prefill(prompt, run.stats, run.should_stop)
         run.stats.prefill_seconds = time.perf_counter() - t0
         self.drafter.reset(prompt)
+        if last is None:
+            run.finish = "cancelled"
+            return run.result()
 
         t1 = time.perf_counter()
         run.pending = run.first_token(last)
@@ -164,16 +171,22 @@ class DecodeSession:
                 raise AneSpecError(f"this build's LM head emits only argmax (--head-argmax), "
                                    f"so it cannot do {needs}: rebuild without it")
 
-    def _prefill(self, prompt: list[int], stats: RequestStats) -> BlockOutput:
+    def _prefill(self, prompt: list[int], stats: RequestStats,
+                 should_stop: Callable[[], bool]) -> BlockOutput | None:
         """Fill slots for the prompt, reusing the longest prefix already in the cache. At least
-        the last prompt token is always run, since its row gives the first new token."""
+        the last prompt token is always run, since its row gives the first new token. None when
+        `should_stop` cancelled it (the cache then holds the chunks written so far)."""
         reuse = min(common_prefix(self.kv_tokens, prompt), len(prompt) - 1)
         stats.reused_prefix_tokens = reuse
         stats.prefill_tokens = len(prompt) - reuse
+        self.kv_tokens = self.kv_tokens[:reuse]
         out = None
         for start in range(reuse, len(prompt), self.pipeline.max_t):
-            out = self.pipeline.run(prompt[start:start + self.pipeline.max_t], start, self.state)
-        self.kv_tokens = list(prompt)
+            if should_stop():
+                return None
+            chunk = prompt[start:start + self.pipeline.max_t]
+            out = self.pipeline.run(chunk, start, self.state)
+            self.kv_tokens.extend(chunk)
         return out
 
     def _step(self, run: "_Run") -> bool:
@@ -182,6 +195,9 @@ class DecodeSession:
         p = len(self.kv_tokens)
         if p >= self.pipeline.max_seq:
             run.finish = "context"
+            return False
+        if run.should_stop():
+            run.finish = "cancelled"
             return False
         t0 = time.perf_counter()
         room = min(MAX_DRAFT, self.pipeline.max_seq - p - 1, run.remaining())
@@ -240,6 +256,7 @@ class _Run:
             grammar=None if options.grammar is None else options.grammar.start())
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] | None = (
             None if options.logprobs is None else [])
+        self.should_stop: Callable[[], bool] = lambda: False
 
     def remaining(self) -> int:
         return self.options.max_tokens - len(self.tokens)

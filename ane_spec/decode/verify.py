@@ -21,7 +21,8 @@ import numpy as np
 
 from ane_spec.decode.grammar import GrammarState
 from ane_spec.decode.sampling import (
-    LogitProcessor, SamplingParams, accept_draft, sample, target_distribution, top2_margin,
+    LogitProcessor, NoTokenLeft, SamplingParams, accept_draft, sample, target_distribution,
+    top2_margin,
 )
 from ane_spec.runtime.pipeline import BlockOutput
 
@@ -73,7 +74,11 @@ class RowChooser:
             best = out.row_argmax(i)
             if self.grammar.allows(best):
                 return best
-        return int(self.logits(out, i).argmax())
+        z = self.logits(out, i)
+        best = int(z.argmax())
+        if z[best] == -np.inf:  # argmax would name token 0, banned like every other
+            raise NoTokenLeft()
+        return best
 
     def distribution(self, out: BlockOutput, i: int) -> np.ndarray:
         row = out.row_logits(i) if self.plain else self.logits(out, i)
