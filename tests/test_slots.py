@@ -298,10 +298,48 @@ def test_slot_names_cannot_leave_the_directory(tmp_path: Path, name: str) -> Non
 
 
 def test_symlinked_slot_files_are_refused(saved, tmp_path: Path) -> None:
-    (tmp_path / "link.slot").symlink_to(saved[0])
-    with pytest.raises(SlotFileError, match="symbolic link"):
-        slot_path(tmp_path, "link")
+    path, tokens, layout = saved
+    link = tmp_path / "link.slot"
+    link.symlink_to(path)
+    with pytest.raises(SlotFileError, match="link.slot is a symbolic link"):
+        load_slot(link, layout)
+    contents = load_slot(path, layout)
+    with pytest.raises(SlotFileError, match="link.slot exists and is not a regular file"):
+        save_slot(link, layout, contents.tokens, contents.arrays)  # never written through
+    assert link.is_symlink() and load_slot(path, layout).tokens == tokens
     assert slot_path(tmp_path, "ok.slot") == tmp_path / "ok.slot"
+
+
+def test_erase_zeroes_the_state_and_running_slots_say_so(pipeline) -> None:
+    manager = SlotManager(pipeline, 1, 10**9)
+    session = DecodeSession(pipeline)
+    prompt = tokens(30, 20)
+    slot = manager.acquire(prompt)
+    (row,) = manager.snapshot()["slots"]
+    assert row["state"] == "running" and row["tokens"] == row["prompt_tokens"] == 20
+    session.use_slot(slot.state, slot.tokens)
+    session.generate(prompt, GenerateOptions(max_tokens=4))
+    manager.release(slot, session.kv_tokens, len(prompt))
+    assert manager.snapshot()["slots"][0]["state"] == "resident"
+    assert any(np.abs(a).max() > 0 for a in states(pipeline, slot.state))
+    manager.erase(slot.id)
+    assert manager.snapshot()["slots"][0]["state"] == "empty"
+    assert all(not a.any() for a in states(pipeline, slot.state))  # nothing of it survives
+
+
+def test_non_finite_files_are_not_loaded_at_start(saved, tmp_path: Path) -> None:
+    """A file re-signed with NaN K/V (the hash has no key) is refused on load, at start too."""
+    path, kv, layout = saved
+    contents = load_slot(path, layout)
+    for name, poison in (("nan", np.nan), ("inf", -np.inf)):
+        arrays = [a.copy() for a in contents.arrays]
+        arrays[-1].reshape(-1)[-1] = poison
+        save_slot(tmp_path / f"{name}.slot", layout, contents.tokens, arrays)
+        with pytest.raises(SlotFileError, match=f"{name}.slot: holds K/V that are not finite"):
+            load_slot(tmp_path / f"{name}.slot", layout)
+    save_slot(tmp_path / "good.slot", layout, contents.tokens, contents.arrays)
+    manager = SlotManager(layout.pipeline, 2, 10**9)
+    assert manager.load_saved(tmp_path) == ["good.slot"]
 
 
 # --- the resident-slot budget ------------------------------------------------------------------

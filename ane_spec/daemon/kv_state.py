@@ -69,6 +69,12 @@ class StateLayout:
             out.append(np.ascontiguousarray(rows, dtype=self.dtype))
         return out
 
+    def clear(self, state: PipelineState) -> None:
+        """Zero every state tensor: what a fresh state holds."""
+        for e in self.entries:
+            self.pipeline.shards[e.shard].write_state(state.shard_states[e.shard], e.name,
+                                                      np.zeros(e.shape, dtype=self.dtype))
+
     def install(self, state: PipelineState, arrays: list[np.ndarray], n: int) -> None:
         """Write captured rows into `state` (zeros past them)."""
         for e, rows in zip(self.entries, arrays, strict=True):

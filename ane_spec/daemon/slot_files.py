@@ -9,6 +9,13 @@ what this server computes for the same tokens, so such a file is refused, with a
 which: "stale" (an earlier build of the same model), "foreign" (another model or context), or
 computed elsewhere. Every size comes from this server's own layout, never from the file, and
 only names matching NAME_PATTERN inside the save directory are read or written.
+
+The folder is treated as hostile too: files are opened with O_NOFOLLOW | O_NONBLOCK and read
+only when fstat says they are regular files (a symlink is refused, a FIFO cannot block the
+worker); a save writes a temp file made with mkstemp (O_CREAT | O_EXCL, a random name, mode
+0600) and renames it over a regular file or nothing, within a quota of files and bytes; K/V
+that are not finite (a NaN would spread through attention into later requests) are refused.
+Messages name files, never the folder's path.
 """
 
 from __future__ import annotations
@@ -17,9 +24,12 @@ import hashlib
 import json
 import os
 import re
+import stat
 import struct
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -35,6 +45,16 @@ _HEADER_SLACK = 1 << 16  # JSON around the tokens
 
 class SlotFileError(AneSpecError):
     """A slot file cannot be used: not one, corrupt, stale, foreign, or a bad name."""
+
+
+class SlotQuotaError(SlotFileError):
+    """The save folder holds as many slot files, or bytes, as --slot-save-max-* allow."""
+
+
+@dataclass(frozen=True)
+class SlotQuota:
+    max_files: int
+    max_bytes: int
 
 
 class BuildIdentity(BaseModel):
@@ -78,15 +98,22 @@ def slot_path(directory: Path, name: str) -> Path:
     if not NAME_PATTERN.fullmatch(stem):
         raise SlotFileError(f"bad slot file name {name!r}: use 1-64 letters, digits, '.', '_' "
                             "or '-', starting with a letter or digit")
-    path = directory / f"{stem}{SUFFIX}"
-    if path.is_symlink():
-        raise SlotFileError(f"{path} is a symbolic link; slot files must be plain files")
-    return path
+    return directory / f"{stem}{SUFFIX}"
+
+
+def saved_files(directory: Path) -> dict[str, os.stat_result]:
+    """The folder's slot files that are regular files (links and devices left out), by name."""
+    out = {}
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.name.endswith(SUFFIX) and entry.is_file(follow_symlinks=False):
+                out[entry.name] = entry.stat(follow_symlinks=False)
+    return out
 
 
 def save_slot(path: Path, layout: StateLayout, tokens: list[int], arrays: list[np.ndarray],
-              scope: str | None = None) -> int:
-    """Write atomically (a temp file renamed into place); returns the file's size."""
+              scope: str | None = None, quota: SlotQuota | None = None) -> int:
+    """Write atomically (a temp file renamed into place) within `quota`; returns the size."""
     payload = b"".join(np.ascontiguousarray(a, dtype=layout.dtype).tobytes() for a in arrays)
     if len(payload) != layout.nbytes(len(tokens)):
         raise SlotFileError("the captured state does not match this build's layout")
@@ -94,14 +121,57 @@ def save_slot(path: Path, layout: StateLayout, tokens: list[int], arrays: list[n
               "dtype": layout.dtype.name, "tokens": [int(t) for t in tokens], "scope": scope}
     header["content_sha256"] = _content_hash(header, payload)
     head = json.dumps(header, separators=(",", ":")).encode()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    size = len(MAGIC) + 8 + len(head) + len(payload)
     try:
-        with open(tmp, "wb") as fh:
+        there = os.lstat(path)
+    except FileNotFoundError:
+        there = None
+    if there is not None and not stat.S_ISREG(there.st_mode):
+        raise SlotFileError(f"{path.name} exists and is not a regular file (a folder, link or "
+                            "device); choose another name")
+    if quota is not None:
+        _check_quota(path, size, quota)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
             fh.write(MAGIC + struct.pack("<Q", len(head)) + head + payload)
         os.replace(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
-    return len(MAGIC) + 8 + len(head) + len(payload)
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+    return size
+
+
+def _check_quota(path: Path, size: int, quota: SlotQuota) -> None:
+    files = saved_files(path.parent)
+    replaced = files.pop(path.name, None)
+    used = sum(f.st_size for f in files.values())
+    if len(files) + 1 > quota.max_files:
+        raise SlotQuotaError(
+            f"the slot folder is full: it holds {len(files)} slot files, the most "
+            f"--slot-save-max-files allows; overwrite one of them instead "
+            f"({'replacing' if replaced else 'adding'} {path.name})")
+    if used + size > quota.max_bytes:
+        raise SlotQuotaError(
+            f"the slot folder is full: {used} bytes of slot files plus this {size}-byte one "
+            f"would pass --slot-save-max-mb ({quota.max_bytes} bytes)")
+
+
+def _open_slot_file(path: Path) -> BinaryIO:
+    """`path` opened for reading if it is a regular file: O_NOFOLLOW refuses a symlink and
+    O_NONBLOCK keeps a FIFO from blocking the open; fstat then refuses anything irregular."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if os.path.islink(path):
+            raise SlotFileError(f"{path.name} is a symbolic link; slot files must be plain "
+                                "files") from None
+        raise SlotFileError(f"cannot read slot file {path.name}: {exc.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise SlotFileError(f"{path.name} is not a regular file (a FIFO, device or folder)")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
 
 
 def load_slot(path: Path, layout: StateLayout) -> SlotContents:
@@ -109,8 +179,8 @@ def load_slot(path: Path, layout: StateLayout) -> SlotContents:
     SlotFileError."""
     where = path.name
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
+        with _open_slot_file(path) as fh:
+            size = os.fstat(fh.fileno()).st_size
             prefix = fh.read(len(MAGIC) + 8)
             if len(prefix) < len(MAGIC) + 8 or not prefix.startswith(MAGIC):
                 raise SlotFileError(f"{where}: not an ane-spec slot file")
@@ -135,7 +205,7 @@ def load_slot(path: Path, layout: StateLayout) -> SlotContents:
                                     f"{len(prefix) + head_len + want} expected)")
             payload = fh.read(want)
     except OSError as exc:
-        raise SlotFileError(f"cannot read slot file {where}: {exc}") from None
+        raise SlotFileError(f"cannot read slot file {where}: {exc.strerror}") from None
     unsigned = header.model_dump(mode="json", exclude={"content_sha256"})
     if _content_hash(unsigned, payload) != header.content_sha256:
         raise SlotFileError(f"{where}: corrupt (its content hash does not match: edited or "
@@ -144,8 +214,10 @@ def load_slot(path: Path, layout: StateLayout) -> SlotContents:
     for e in layout.entries:
         shape = layout.shape(e, n)
         count = int(np.prod(shape))
-        arrays.append(np.frombuffer(payload, dtype=layout.dtype, count=count,
-                                    offset=offset).reshape(shape).copy())
+        rows = np.frombuffer(payload, dtype=layout.dtype, count=count, offset=offset)
+        if not np.isfinite(rows).all():  # the hash has no key: anyone can re-sign a file
+            raise SlotFileError(f"{where}: holds K/V that are not finite (NaN or Inf); refused")
+        arrays.append(rows.reshape(shape).copy())
         offset += count * layout.dtype.itemsize
     return SlotContents(header.tokens, arrays, header.scope)
 

@@ -38,7 +38,9 @@ from typing import Any
 import numpy as np
 
 from ane_spec.daemon.kv_state import StateLayout
-from ane_spec.daemon.slot_files import SUFFIX, SlotFileError, load_slot, save_slot, slot_path
+from ane_spec.daemon.slot_files import (
+    SlotFileError, SlotQuota, load_slot, save_slot, saved_files, slot_path,
+)
 from ane_spec.decode.session import common_prefix
 from ane_spec.errors import AneSpecError
 from ane_spec.runtime.pipeline import PipelineState, ShardPipeline
@@ -73,6 +75,8 @@ class _Cached:
 @dataclass
 class Slot(_Cached):
     state: PipelineState | None = None
+    running_since: float | None = None  # wall clock; set while a request runs in it
+    running_prompt: int = 0
 
 
 @dataclass
@@ -135,6 +139,7 @@ class SlotManager:
             if best is not None and best is not slot and shared >= MIN_SHARED and shared > own:
                 self._install(slot, best, upto=shared, event="copy")
         slot.scope, slot.tick, slot.last_used = scope, self._tick, time.time()
+        slot.running_since, slot.running_prompt = slot.last_used, len(prompt)
         self._publish()
         return slot
 
@@ -144,6 +149,7 @@ class SlotManager:
         slot.tokens = list(tokens)
         slot.prompt_len = min(prompt_len, len(slot.tokens))
         slot.last_used = time.time()
+        slot.running_since = None
         self._publish()
 
     # --- /slots actions ----------------------------------------------------------------------
@@ -152,10 +158,14 @@ class SlotManager:
         now = time.time()
         published = self._published
         return published | {"slots": [
-            row | {"idle_seconds": round(now - row["last_used"], 3) if row["last_used"] else None}
+            row | {"idle_seconds": None if row["state"] == "running" or not row["last_used"]
+                   else round(now - row["last_used"], 3)}
+            | ({"running_seconds": round(now - row["running_since"], 3)}
+               if row.get("running_since") else {})
             for row in published["slots"]]}
 
-    def save(self, slot_id: int, directory: Path | None, name: str | None) -> dict[str, Any]:
+    def save(self, slot_id: int, directory: Path | None, name: str | None,
+             quota: SlotQuota | None = None) -> dict[str, Any]:
         if directory is None:
             raise SlotError("saving needs --slot-save-path DIR")
         entry = self._find(slot_id)
@@ -165,7 +175,7 @@ class SlotManager:
         arrays = (entry.arrays if isinstance(entry, Spilled)
                   else self.layout.capture(entry.state, len(entry.tokens)))
         t0 = time.perf_counter()
-        size = save_slot(path, self.layout, entry.tokens, arrays, entry.scope)
+        size = save_slot(path, self.layout, entry.tokens, arrays, entry.scope, quota)
         self.record("save")
         return {"id": slot_id, "filename": path.name, "tokens": len(entry.tokens),
                 "bytes": size, "seconds": round(time.perf_counter() - t0, 4)}
@@ -191,9 +201,12 @@ class SlotManager:
                 "seconds": round(time.perf_counter() - t0, 4)}
 
     def erase(self, slot_id: int) -> dict[str, Any]:
+        """Forget a conversation: a resident slot's states are zeroed too, so nothing it held
+        (a restored file's K/V included) survives in it."""
         entry = self._find(slot_id)
         if isinstance(entry, Slot):
-            entry.tokens = []
+            entry.tokens, entry.prompt_len, entry.hits = [], 0, 0
+            self.layout.clear(entry.state)
         else:
             self.spilled.remove(entry)
         self._publish()
@@ -202,10 +215,11 @@ class SlotManager:
     def load_saved(self, directory: Path) -> list[str]:
         """At start: saved files, newest first, into the resident slots and then the spill
         budget. A file that cannot be used is skipped with a warning; returns what loaded."""
-        files = sorted((p for p in directory.glob(f"*{SUFFIX}") if p.is_file()
-                        and not p.is_symlink()), key=lambda p: p.stat().st_mtime, reverse=True)
+        files = sorted(saved_files(directory).items(), key=lambda f: f[1].st_mtime,
+                       reverse=True)
         loaded = []
-        for path in files:
+        for name, info in files:
+            path = directory / name
             try:
                 tokens, arrays, scope = load_slot(path, self.layout)
             except SlotFileError as exc:
@@ -214,7 +228,7 @@ class SlotManager:
             self._tick += 1
             entry = Spilled(self._new_id(), tokens, len(tokens), scope, arrays=arrays,
                             nbytes=sum(a.nbytes for a in arrays), tick=-self._tick,
-                            last_used=path.stat().st_mtime)
+                            last_used=info.st_mtime)
             empty = next((s for s in self.resident if not s.tokens), None)
             if empty is not None:
                 self._install(empty, entry)
@@ -299,7 +313,15 @@ class SlotManager:
                     "last_used": round(c.last_used, 3) if c.last_used else None,
                     "bytes": nbytes}
 
-        rows = [row(s, "resident" if s.tokens else "empty", None) for s in self.resident]
+        def resident(s: Slot) -> dict[str, Any]:
+            if s.running_since is None:
+                return row(s, "resident" if s.tokens else "empty", None)
+            # Running: its state is being written; the engine adds the live token count.
+            return row(s, "running", None) | {"tokens": s.running_prompt,
+                                              "prompt_tokens": s.running_prompt,
+                                              "running_since": s.running_since}
+
+        rows = [resident(s) for s in self.resident]
         rows += [row(s, "spilled", s.nbytes) for s in sorted(self.spilled, key=lambda s: -s.tick)]
         self._published = {
             "resident_slots": len(self.resident),
