@@ -309,9 +309,11 @@ def _serve_config(args: argparse.Namespace):
         ngram_max=args.ngram_max, guard=not args.no_guard,
         max_body_bytes=args.max_body_bytes, verify=not args.no_verify,
         model_name=args.model_name, log_level=args.log_level,
-        allowed_origins=args.allowed_origins,
+        allowed_origins=args.allowed_origins, allowed_hosts=args.allowed_hosts,
+        special_in_content=args.special_in_content or None, body_timeout=args.body_timeout,
         kv_slots=args.kv_slots, slot_spill_mb=args.slot_spill_mb,
-        slot_save_path=args.slot_save_path, draft_memory=args.draft_memory,
+        slot_save_path=args.slot_save_path, slot_save_max_files=args.slot_save_max_files,
+        slot_save_max_mb=args.slot_save_max_mb, draft_memory=args.draft_memory,
         draft_memory_tokens=args.draft_memory_tokens)
 
 
@@ -353,6 +355,14 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-origins", metavar="ORIGINS",
                    help="browser origins allowed to call the API (CORS), comma-separated, or "
                         "'*' for any; off by default: any web page could drive the model")
+    p.add_argument("--allowed-hosts", metavar="HOSTS",
+                   help="Host header names to answer besides localhost, 127.0.0.1, [::1] and "
+                        "--host (DNS rebinding protection), comma-separated, or '*' for any")
+    p.add_argument("--special-in-content", action="store_true",
+                   help="parse special tokens (<|user|>, ...) written in message text, as "
+                        "llama.cpp does; by default message text can never produce them")
+    p.add_argument("--body-timeout", type=float,
+                   help="seconds a client has to send a whole request body (default 60)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--kv-slots", type=int,
@@ -362,6 +372,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="host memory for evicted slots' K/V (default: 1/8 of RAM; 0: drop them)")
     p.add_argument("--slot-save-path", help="folder for POST /slots/ID?action=save|restore; "
                                             "slots saved there are loaded at start")
+    p.add_argument("--slot-save-max-files", type=int,
+                   help="slot files that saves may keep in that folder (default 32)")
+    p.add_argument("--slot-save-max-mb", type=float,
+                   help="total size of those files in MiB (default 4096)")
     p.add_argument("--draft-memory", choices=["per-key", "shared", "off"],
                    help="draft from earlier requests of the same API key + user, of everyone, "
                         "or not at all (default: per-key with an API key, else shared)")

@@ -20,3 +20,14 @@ def tiny_gguf_conditioned(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Same shapes, well conditioned (embed std 1, branches x1): logit comparisons."""
     spec = preset("tiny", embed_std=1.0, branch_scale=1.0, seed=7)
     return write_synthetic_gguf(tmp_path_factory.mktemp("gguf") / "tiny-cond.gguf", spec)
+
+
+@pytest.fixture(scope="session")
+def tiny_build_512(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny_gguf` built with a 512-token context (shards of 2 + 1 layers): the daemon suites
+    that need room to generate (test_daemon_clients, test_daemon_hostile)."""
+    from ane_spec.shards.build import BuildRequest, build
+
+    out = tmp_path_factory.mktemp("tiny512") / "art"
+    build(tiny_gguf, out, BuildRequest(topology="2,1", max_seq=512))
+    return out

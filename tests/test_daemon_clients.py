@@ -38,12 +38,8 @@ class Person(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def artifacts(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("clients") / "art"
-    from ane_spec.shards.build import BuildRequest, build
-
-    build(tiny_gguf, out, BuildRequest(topology="2,1", max_seq=S))
-    return out
+def artifacts(tiny_build_512: Path) -> Path:
+    return tiny_build_512  # S tokens of context
 
 
 def started(config: ServeConfig) -> BackgroundServer:

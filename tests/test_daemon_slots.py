@@ -164,7 +164,7 @@ def test_slots_route_save_and_restore_across_restart(artifacts, pipeline, tmp_pa
         assert saved.json()["tokens"] == busy[0]["tokens"]
         empty = 1 - sid
         cases = [(f"/slots/{empty}?action=save", {}, 400, "empty"),
-                 ("/slots/7?action=erase", None, 404, "no slot 7"),
+                 ("/slots/7?action=erase", {}, 404, "no slot 7"),
                  (f"/slots/{sid}?action=save", {"filename": "../up"}, 400, "bad slot file"),
                  (f"/slots/{sid}?action=restore", {"filename": "nope"}, 400, "cannot read"),
                  (f"/slots/{sid}?action=restore", {}, 400, "needs a filename"),

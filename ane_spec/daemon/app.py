@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -27,7 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ane_spec import __version__
 from ane_spec.model.chat import PHI4_MINI_CHAT_TEMPLATE
-from ane_spec.daemon.config import ServeConfig
+from ane_spec.daemon.config import ServeConfig, host_name
 from ane_spec.daemon.draft_scopes import scope_of
 from ane_spec.daemon.engine import Engine, Job, NotReady, QueueFull, SlotAction, WorkItem
 from ane_spec.daemon.metrics import CONTENT_TYPE
@@ -36,10 +38,11 @@ from ane_spec.daemon.protocol import (
     DetokenizeRequest, Envelope, FunctionSpec, ResponseFormat, SpeculationOptions, StreamOptions,
     TextPart, TokenizeRequest, Tool, dumps, error_body, finish_reason, logprobs_body, usage,
 )
-from ane_spec.daemon.tools import ToolCallParser, template_messages, tool_call_grammar
-from ane_spec.decode.grammar import (
-    Grammar, GrammarError, gbnf_grammar, json_schema_grammar, lark_grammar,
+from ane_spec.daemon.tools import (
+    ToolCallParser, check_calls, template_messages, tool_call_grammar,
 )
+from ane_spec.decode.grammar import Grammar, GrammarError
+from ane_spec.decode.grammar_limits import check_schema
 from ane_spec.decode.sampling import SamplingParams
 from ane_spec.decode.session import GenerateOptions, GenerationResult
 from ane_spec.errors import AneSpecError
@@ -56,6 +59,7 @@ CORS_HEADERS = ["Authorization", "Content-Type", "Accept", "OpenAI-Organization"
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SLOT_ACTIONS = ("save", "restore", "erase")
+HEAVY_THREADS = 2
 
 
 class SlotActionBody(BaseModel):
@@ -112,43 +116,91 @@ class BearerAuth:
         await response(scope, receive, send)
 
 
-class BodyLimit:
-    """Refuse bodies over `limit` bytes with 413, by Content-Length before reading anything and
-    by counting otherwise; the accepted body is replayed to the app."""
+class HostCheck:
+    """DNS rebinding: a web page whose name is made to resolve to 127.0.0.1 reaches the server
+    as same-origin, with its own name in `Host`. Only Host values naming this server pass (see
+    `ServeConfig.allowed_host_names`); a request without one cannot come from a browser.
+    Ollama's allowedHostsMiddleware (server/routes.go) does this for loopback binds, and also
+    lets private IPs and *.local/*.internal names in; llama-server has no such check."""
 
-    def __init__(self, app: ASGIApp, limit: int, engine: Engine):
-        self.app, self.limit, self.engine = app, limit, engine
-
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send, size: str) -> None:
-        self.engine.metrics.request(endpoint_of(scope["path"]), "rejected_invalid")
-        response = error_response(413, f"the request body is {size} bytes; the limit is "
-                                       f"{self.limit}", code="request_too_large")
-        await response(scope, receive, send)
+    def __init__(self, app: ASGIApp, allowed: frozenset[str], engine: Engine):
+        self.app, self.allowed, self.engine = app, allowed, engine
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         for name, value in scope["headers"]:
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    declared = 0
-                if declared > self.limit:
-                    return await self._too_large(scope, receive, send, str(declared))
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # disconnected before the body arrived
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.limit:
-                return await self._too_large(scope, receive, send, f"more than {self.limit}")
-            chunks.append(chunk)
-            if not message.get("more_body", False):
+            if name == b"host":
+                host = value.decode("latin-1")
+                if not host_allowed(host, self.allowed):
+                    self.engine.metrics.request(endpoint_of(scope["path"]), "rejected_host")
+                    response = error_response(
+                        403, f"the Host header {host[:100]!r} does not name this server; "
+                             "add the name with --allowed-hosts if it should",
+                        "permission_error", code="host_not_allowed")
+                    return await response(scope, receive, send)
                 break
+        await self.app(scope, receive, send)
+
+
+class BodyGuard:
+    """Every request body: JSON (by Content-Type, and present) on routes that change state, at
+    most `limit` bytes (413, by Content-Length before reading anything and by counting
+    otherwise), and all of it within `seconds` of the headers (408: a client trickling one byte
+    at a time cannot hold a connection). The accepted body is replayed to the app.
+
+    Requiring `application/json` keeps cross-site pages out: a browser sends that type only
+    after a CORS preflight, which this server answers only for --allowed-origins, while a
+    form or a plain `fetch` (text/plain, no preflight) would otherwise act on the API."""
+
+    def __init__(self, app: ASGIApp, limit: int, seconds: float, engine: Engine):
+        self.app, self.limit, self.seconds, self.engine = app, limit, seconds, engine
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, status: int,
+                      message: str, code: str) -> None:
+        self.engine.metrics.request(endpoint_of(scope["path"]), "rejected_invalid")
+        await error_response(status, message, code=code)(scope, receive, send)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        changes_state = scope["method"] not in SAFE_METHODS
+        if changes_state and not is_json(headers.get(b"content-type", b"")):
+            return await self._refuse(
+                scope, receive, send, 415, f"{scope['method']} {scope['path']} takes a JSON "
+                "body: send Content-Type: application/json", "unsupported_media_type")
+        try:
+            declared = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            declared = 0
+        if declared > self.limit:
+            return await self._refuse(scope, receive, send, 413, f"the request body is "
+                                      f"{declared} bytes; the limit is {self.limit}",
+                                      "request_too_large")
+        chunks, size = [], 0
+        with anyio.move_on_after(self.seconds) as timer:
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":  # disconnected before the body arrived
+                    return
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > self.limit:
+                    return await self._refuse(scope, receive, send, 413, "the request body is "
+                                              f"more than {self.limit} bytes; the limit is "
+                                              f"{self.limit}", "request_too_large")
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+        if timer.cancelled_caught:
+            return await self._refuse(scope, receive, send, 408, f"the request body did not "
+                                      f"arrive within {self.seconds:g} s", "request_timeout")
         body = b"".join(chunks)
+        if changes_state and not body:
+            return await self._refuse(scope, receive, send, 400, f"{scope['method']} "
+                                      f"{scope['path']} takes a JSON body ({{}} for none)",
+                                      "missing_body")
         replayed = False
 
         async def replay() -> Message:
@@ -161,6 +213,28 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def is_json(content_type: bytes) -> bool:
+    """application/json or application/*+json, parameters aside (FastAPI's own test)."""
+    media = content_type.split(b";", 1)[0].strip().lower()
+    return media == b"application/json" or (media.startswith(b"application/")
+                                            and media.endswith(b"+json"))
+
+
+def host_allowed(host: str, allowed: frozenset[str]) -> bool:
+    """Whether a Host header ("localhost:8000", "[::1]:8000") names an allowed host or a
+    loopback address (an IP literal: a page cannot rebind a name to reach it)."""
+    name = host_name(host)
+    if name in allowed:
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 # --- request preparation (runs in a worker thread: tokenization may take a while) ----------------
 
 @dataclass(frozen=True)
@@ -168,7 +242,7 @@ class Plan:
     """A validated request: the engine's work item and what the response does with its text."""
 
     item: WorkItem
-    tools: bool = False  # parse <|tool_call|> output into tool_calls
+    tools: list[Tool] | None = None  # parse <|tool_call|> output into calls to these
     schema: dict[str, Any] | None = None  # the output must be JSON valid against it
 
 
@@ -188,20 +262,13 @@ def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest, kin
     vocab = engine.pipeline.config.vocab_size
     uses_tools = kind == "chat" and body.uses_tools
     if kind == "chat":
-        from ane_spec.model.chat import render_chat
-
         where = "messages"
         try:
-            messages = template_messages(body.messages, body.tools if uses_tools else None)
-        except ValueError as exc:
+            messages = template_messages(body.messages, body.tools if uses_tools else None,
+                                         engine.grammars.limits)
+        except (ValueError, GrammarError) as exc:
             raise BadRequest(str(exc), "messages") from None
-        try:
-            text = render_chat(messages, template=tok.data.chat_template,
-                               eos_token=_token_text(tok, tok.eos_token_id, "<|endoftext|>"),
-                               bos_token=_token_text(tok, tok.bos_token_id, "<|endoftext|>"))
-        except AneSpecError as exc:
-            raise BadRequest(str(exc), "messages") from None
-        prompt = tok.encode(text, special=True, add_special=True)
+        prompt = _chat_prompt(tok, messages, config.special_in_content)
     else:
         where = "prompt"
         source = body.single_prompt()
@@ -249,8 +316,25 @@ def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest, kin
         guard=config.guard if ext.guard is None else ext.guard,
         grammar=None if constraint is None else constraint.grammar,
         logprobs=top_n, special_text=uses_tools)
-    return Plan(WorkItem(prompt, options, lo, hi, kind, scope), tools=uses_tools,
+    return Plan(WorkItem(prompt, options, lo, hi, kind, scope),
+                tools=body.tools if uses_tools else None,
                 schema=None if constraint is None else constraint.schema)
+
+
+def _chat_prompt(tok, messages: list[dict[str, Any]], special_in_content: bool) -> list[int]:  # noqa: ANN001
+    """The chat's prompt tokens. Only the template's markup may produce special tokens; with
+    --special-in-content the whole prompt is parsed for them, as llama-server does."""
+    from ane_spec.model.chat import render_chat, render_chat_pieces
+
+    kw = dict(template=tok.data.chat_template,
+              eos_token=_token_text(tok, tok.eos_token_id, "<|endoftext|>"),
+              bos_token=_token_text(tok, tok.bos_token_id, "<|endoftext|>"))
+    try:
+        if special_in_content:
+            return tok.encode(render_chat(messages, **kw), special=True, add_special=True)
+        return tok.encode_pieces(render_chat_pieces(messages, **kw), add_special=True)
+    except AneSpecError as exc:
+        raise BadRequest(str(exc), "messages") from None
 
 
 def _sampling(engine: Engine, body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
@@ -288,15 +372,20 @@ def _constraint(engine: Engine, body: ChatCompletionRequest | CompletionRequest,
         param = what = "grammar"
     else:
         return None
+    compiler = engine.grammars
     try:
         if uses_tools:
-            spec = lark_grammar(tool_call_grammar(body.tools, body.tool_choice,
-                                                  body.parallel_tool_calls))
+            for i, t in enumerate(body.tools):
+                if t.function.parameters is not None:
+                    check_schema(t.function.parameters,
+                                 f"tools[{i}].function.parameters", compiler.limits)
+            grammar = compiler.compile("lark", tool_call_grammar(
+                body.tools, body.tool_choice, body.parallel_tool_calls), what)
         elif schema is not None:
-            spec = json_schema_grammar(schema)
+            grammar = compiler.compile("json_schema", schema, what)
         else:
-            spec = gbnf_grammar(body.grammar)
-        return Constraint(Grammar(engine.tokenizer, spec, what=what), param, schema)
+            grammar = compiler.compile("gbnf", body.grammar, what)
+        return Constraint(grammar, param, schema)
     except GrammarError as exc:
         raise BadRequest(str(exc), param) from None
 
@@ -339,13 +428,24 @@ def sse(obj: Any) -> str:
 # --- the app ----------------------------------------------------------------------------------
 
 def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
+    # /tokenize and /detokenize (a megabyte of text, a million pieces to render) run on threads,
+    # at most HEAVY_THREADS at once: Python threads share one GIL, so more of them would only
+    # slow the event loop's turn at it (and with it /health) without finishing sooner. Request
+    # preparation has anyio's own limiter: it may wait on the grammar compiler, and must not
+    # hold these slots while it does.
+    heavy: dict[str, anyio.CapacityLimiter] = {}
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        heavy["limiter"] = anyio.CapacityLimiter(HEAVY_THREADS)
         engine.start()
         try:
             yield
         finally:
             await anyio.to_thread.run_sync(engine.stop)
+
+    async def off_loop(fn, *args):  # noqa: ANN001, ANN202
+        return await anyio.to_thread.run_sync(fn, *args, limiter=heavy["limiter"])
 
     app = FastAPI(title="ane-spec", version=__version__, lifespan=lifespan, docs_url=None,
                   redoc_url=None,
@@ -356,13 +456,18 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
 
     # Added innermost first: auth runs before the body is even read, and CORS (when allowed)
     # before auth, so a browser's preflight (which carries no credentials) gets its answer and
-    # every error response carries the headers a page needs to read it.
-    app.add_middleware(BodyLimit, limit=config.max_body_bytes, engine=engine)
+    # every error response carries the headers a page needs to read it. The Host check comes
+    # first of all.
+    app.add_middleware(BodyGuard, limit=config.max_body_bytes, seconds=config.body_timeout,
+                       engine=engine)
     app.add_middleware(BearerAuth, api_key=config.api_key, engine=engine)
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=CORS_METHODS, allow_headers=CORS_HEADERS,
                            allow_credentials=False, max_age=600)
+    allowed_hosts = config.allowed_host_names
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheck, allowed=allowed_hosts, engine=engine)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -451,22 +556,33 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
             "build_info": f"ane-spec {__version__}", "status": engine.status}
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(body: TokenizeRequest) -> Response:
         tok = engine.tokenizer
-        ids = await anyio.to_thread.run_sync(
-            lambda: tok.encode(body.content, special=True, add_special=body.add_special))
-        if not body.with_pieces:
-            return {"tokens": ids}
-        return {"tokens": [{"id": t, "piece": _piece(tok.token_bytes(t))} for t in ids]}
+
+        def run() -> bytes:
+            ids = tok.encode(body.content, special=True, add_special=body.add_special)
+            if not body.with_pieces:
+                return _json_list("tokens", ids)
+            return _json_list("tokens", [{"id": t, "piece": _piece(tok.token_bytes(t))}
+                                         for t in ids])
+
+        return Response(await off_loop(run), media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Response:
-        vocab = engine.tokenizer.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            return error_response(400, f"tokens: ids {bad[:5]} are outside the vocabulary "
-                                       f"0..{vocab - 1}", param="tokens", code="invalid_value")
-        return JSONResponse({"content": engine.tokenizer.decode(body.tokens)})
+        tok = engine.tokenizer
+        vocab = tok.vocab_size
+
+        def run() -> Response:
+            bad = [t for t in body.tokens if not 0 <= t < vocab]
+            if bad:
+                return error_response(400, f"tokens: ids {bad[:5]} are outside the vocabulary "
+                                           f"0..{vocab - 1}", param="tokens",
+                                      code="invalid_value")
+            return Response(_json_bytes({"content": tok.decode(body.tokens)}),
+                            media_type="application/json")
+
+        return await off_loop(run)
 
     @app.post("/v1/embeddings")
     @app.post("/embeddings")
@@ -481,7 +597,7 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
         if engine.status != "ready" or engine.slots is None:
             return error_response(503, str(engine.not_ready()), "server_error",
                                   code="unavailable")
-        return JSONResponse(engine.slots.snapshot())
+        return JSONResponse(engine.slots_snapshot())
 
     @app.post("/slots/{slot_id}")
     async def slot_action(slot_id: int, action: str,
@@ -579,7 +695,7 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
             content += parser.finish()
             if parser.complete:
                 text, calls = content or None, parser.calls
-        problem = _check_output(plan, result)
+        problem = _check_output(plan, result, calls)
         if problem:
             metrics.request(kind, "failed")
             return error_response(500 if problem[0] else 400, problem[1],
@@ -629,7 +745,8 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
                 yield sse(error_body("the server is shutting down", "server_error"))
             else:
                 result = payload
-                problem = _check_output(plan, result)
+                problem = _check_output(plan, result, parser.calls if parser is not None
+                                        and parser.complete else None)
                 if problem:  # the text has left already: say so before the end of the stream
                     metrics.request(kind, "failed")
                     yield sse(error_body(problem[1], "server_error" if problem[0]
@@ -658,10 +775,17 @@ _FIELDS = frozenset().union(*(m.model_fields for m in (
     StreamOptions, Tool, FunctionSpec, ResponseFormat, TokenizeRequest, DetokenizeRequest)))
 
 
-def _check_output(plan: Plan, result: GenerationResult) -> tuple[bool, str] | None:
+def _check_output(plan: Plan, result: GenerationResult,
+                  calls: list[dict[str, Any]] | None = None) -> tuple[bool, str] | None:
     """A JSON output that left the grammar complete is validated against its schema before it
-    leaves; (is_server_fault, message) when it fails. Output cut by max_tokens or the context
-    ends with finish_reason "length" and is not judged, as OpenAI does."""
+    leaves, and tool calls against the tools given; (is_server_fault, message) when it fails.
+    Output cut by max_tokens or the context ends with finish_reason "length" and is not judged,
+    as OpenAI does."""
+    if calls and plan.tools:
+        problem = check_calls(calls, plan.tools)
+        if problem:
+            log.error("refusing the model's tool calls: %s", problem)
+            return True, f"{problem}: a bug in ane-spec"
     if plan.schema is None or result.finish_reason in ("length", "context", "cancelled"):
         return None
     import json
@@ -684,6 +808,18 @@ def _check_output(plan: Plan, result: GenerationResult) -> tuple[bool, str] | No
     except jsonschema.SchemaError:
         return None  # the grammar engine accepted a schema jsonschema cannot check
     return None
+
+
+def _json_bytes(obj: Any) -> bytes:
+    """What JSONResponse would send, rendered wherever the caller runs (a worker thread)."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def _json_list(key: str, items: list[Any], chunk: int = 4096) -> bytes:
+    """`_json_bytes({key: items})`, encoded a slice at a time: json.dumps holds the GIL for
+    the whole call, and one call over a million items would stall the event loop for it."""
+    parts = [_json_bytes(items[i:i + chunk])[1:-1] for i in range(0, len(items), chunk)]
+    return b'{"%s":[%s]}' % (key.encode(), b",".join(parts))
 
 
 def _piece(data: bytes) -> str | list[int]:

@@ -22,7 +22,10 @@ from ane_spec.errors import AneSpecError
 from ane_spec.runtime.backend import default_backend_name
 
 LOOPBACK_NAMES = ("localhost",)
+# Host header values a loopback server always answers to (besides loopback IP literals).
+LOCAL_HOST_NAMES = ("localhost", "127.0.0.1", "::1")
 _ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s,]+")
+_HOST = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*|[0-9a-f:.]+")
 # Requests may pick n-gram lengths up to this; the drafter's index grows with ngram_max.
 MAX_NGRAM = 16
 _DRAFTER_DEFAULTS = inspect.signature(NgramDrafter).parameters
@@ -30,6 +33,19 @@ _DRAFTER_DEFAULTS = inspect.signature(NgramDrafter).parameters
 
 class ServeConfigError(AneSpecError):
     """A `serve` option is invalid or unsafe (e.g. a public host without an API key)."""
+
+
+def host_name(host: str) -> str:
+    """The name in a Host header or a --host value, without port, brackets, case or a trailing
+    dot: "[::1]:8000" -> "::1", "LocalHost.:80" -> "localhost"."""
+    h = host.strip().lower()
+    if h.startswith("["):
+        end = h.find("]")
+        return h[1:end] if end > 0 else h
+    name, sep, port = h.rpartition(":")
+    if sep and ":" not in name and port.isdigit():
+        h = name
+    return h.rstrip(".")
 
 
 def is_loopback(host: str) -> bool:
@@ -65,11 +81,20 @@ class ServeConfig(BaseModel):
     # Browser origins allowed to call the API (CORS): none by default, since any web page the
     # user opens could otherwise drive a local model; ("*",) allows every origin.
     allowed_origins: tuple[str, ...] = ()
+    # Host header names accepted besides localhost, 127.0.0.1, [::1] and --host (DNS rebinding
+    # protection, app.HostCheck); ("*",) accepts any. On a public --host the API key guards the
+    # server and any name is accepted unless this is given.
+    allowed_hosts: tuple[str, ...] = ()
+    # llama.cpp's behaviour: special tokens written in message text are parsed as such.
+    special_in_content: bool = False
+    body_timeout: float = Field(60.0, gt=0.0, le=3600.0)  # seconds for a whole request body
     # KV slots (daemon/slots.py). None: chosen from the build's state size and the machine's
     # memory (runtime/state_budget.py), reported at start and in /health.
     kv_slots: int | None = Field(None, ge=1, le=64)
     slot_spill_mb: int | None = Field(None, ge=0)  # host memory for spilled slots; 0: none
     slot_save_path: Path | None = None  # /slots save|restore, and saved slots loaded at start
+    slot_save_max_files: int = Field(32, ge=1, le=100_000)  # quota of .slot files in that folder
+    slot_save_max_mb: float = Field(4096.0, gt=0.0)  # ... and of their total size
     # Cross-request drafting (daemon/draft_scopes.py). None: per-key with an API key, else shared.
     draft_memory: DraftMemoryMode | None = None
     draft_memory_tokens: int = Field(DEFAULT_MEMORY_TOKENS, ge=1024, le=1 << 22)
@@ -100,6 +125,22 @@ class ServeConfig(BaseModel):
         if "*" in (v or ()) and len(v) > 1:
             raise ValueError("'*' already allows every origin: give it alone")
         return tuple(v or ())
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _hosts(cls, v: Any) -> Any:
+        """A comma-separated string (the CLI's form) or a list of host names or IPs."""
+        if isinstance(v, str):
+            v = [h.strip() for h in v.split(",") if h.strip()]
+        out = []
+        for host in v or ():
+            name = host if host == "*" else host_name(host)
+            if name != "*" and not _HOST.fullmatch(name):
+                raise ValueError(f"{host!r} is not a host name or IP address")
+            out.append(name)
+        if "*" in out and len(out) > 1:
+            raise ValueError("'*' already allows every host: give it alone")
+        return tuple(out)
 
     @model_validator(mode="after")
     def _safe(self) -> "ServeConfig":
@@ -133,6 +174,14 @@ class ServeConfig(BaseModel):
     @property
     def public(self) -> bool:
         return not is_loopback(self.host)
+
+    @property
+    def allowed_host_names(self) -> frozenset[str] | None:
+        """Host header names to accept (loopback IP literals always pass), or None for any: a
+        public bind without --allowed-hosts (as Ollama does: the API key guards it), or '*'."""
+        if "*" in self.allowed_hosts or (self.public and not self.allowed_hosts):
+            return None
+        return frozenset((*LOCAL_HOST_NAMES, host_name(self.host), *self.allowed_hosts))
 
     @property
     def draft_memory_mode(self) -> DraftMemoryMode:

@@ -30,6 +30,7 @@ from typing import Any
 
 from ane_spec.decode.cost import draft_policy
 from ane_spec.decode.drafter import NgramDrafter
+from ane_spec.decode.grammar_compiler import GrammarCompiler
 from ane_spec.decode.session import DecodeSession, GenerateOptions
 from ane_spec.errors import AneSpecError
 from ane_spec.manifests.store import record_drift
@@ -41,6 +42,7 @@ from ane_spec.daemon.config import ServeConfig
 from ane_spec.daemon.draft_scopes import DraftMemories
 from ane_spec.daemon.metrics import Metrics
 from ane_spec.runtime.state_budget import slot_budget
+from ane_spec.daemon.slot_files import SlotQuota, SlotQuotaError
 from ane_spec.daemon.slots import SlotManager, SlotNotFound
 
 log = logging.getLogger("ane_spec.daemon")
@@ -107,6 +109,15 @@ class Job:
     def queue_seconds(self) -> float:
         return (self.started or time.perf_counter()) - self.created
 
+    def describe(self) -> dict[str, Any]:
+        """What the job is doing, for /health while it runs."""
+        item = self.item
+        if isinstance(item, SlotAction):
+            what = {"task": f"slot {item.action}", "slot": item.slot_id}
+            return what | ({"filename": item.filename} if item.filename else {})
+        return {"task": item.endpoint, "prompt_tokens": len(item.prompt),
+                "cancelled": self.cancelled.is_set()}
+
 
 class _PacedPipeline:
     """Test-only (`test_pass_delay_seconds`): the pipeline, sleeping before every pass."""
@@ -161,6 +172,9 @@ class Engine:
         self.slots: SlotManager | None = None
         self.memories = DraftMemories(config.draft_memory_mode, config.draft_memory_tokens,
                                       config.ngram_max)
+        self.grammars = GrammarCompiler(self.tokenizer)
+        self.slot_quota = SlotQuota(config.slot_save_max_files,
+                                    int(config.slot_save_max_mb * 2**20))
         log.info("%s; serving with %d KV slot%s, %.0f MiB for spilled slots, draft memory %s",
                  self.budget.summary(), self.kv_slots, "" if self.kv_slots == 1 else "s",
                  self.spill_bytes / 2**20, config.draft_memory_mode)
@@ -187,6 +201,7 @@ class Engine:
             job.post("error", (503, "the server is shutting down"))
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self.grammars.close()
 
     # --- requests (event loop side) -------------------------------------------------------
 
@@ -252,13 +267,32 @@ class Engine:
         if self.status == "error":
             return base | {"error": self.error}
         return base | {"warmup_seconds": round(self.warmup.seconds, 3),
-                       "busy": self.busy, "queue_depth": self.queue_depth,
+                       "busy": self.busy, "running": self.running(),
+                       "queue_depth": self.queue_depth,
                        "queue_capacity": self.config.max_queue,
                        "decode_shape": self.pipeline.decode_shape,
                        "speculative": self.config.speculative, "guard": self.config.guard,
                        "guard_margin": self.session.guard_margin if self.session else None,
                        "fill_drafts": self.fill_drafts, "kv_slots": self.slot_health(),
                        "draft_memory": self.memories.stats()}
+
+    def running(self) -> dict[str, Any] | None:
+        """The job the worker is on and for how long: a worker stuck on one shows here."""
+        job = self._running
+        if job is None or job.started is None:
+            return None
+        return job.describe() | {"seconds": round(time.perf_counter() - job.started, 3)}
+
+    def slots_snapshot(self) -> dict[str, Any]:
+        """/slots: the slot manager's list, with the running conversation's live token count."""
+        assert self.slots is not None
+        snap = self.slots.snapshot()
+        job, session = self._running, self.session
+        if job is not None and session is not None:
+            for row in snap["slots"]:
+                if row["state"] == "running":
+                    row["tokens"] = len(session.kv_tokens)
+        return snap
 
     def slot_health(self) -> dict[str, Any]:
         snap = self.slots.snapshot() if self.slots else {}
@@ -348,7 +382,8 @@ class Engine:
             return not job.cancelled.is_set()
 
         try:
-            result = session.generate(item.prompt, item.options, on_text)
+            result = session.generate(item.prompt, item.options, on_text,
+                                      should_stop=job.cancelled.is_set)
         except AneSpecError as exc:
             # The app validates requests before queueing them, so this is a rare corner; the
             # cache may hold a half-written prompt now, so forget it.
@@ -422,16 +457,19 @@ class Engine:
         assert isinstance(item, SlotAction) and slots is not None
         try:
             if item.action == "save":
-                result = slots.save(item.slot_id, where, item.filename)
+                result = slots.save(item.slot_id, where, item.filename, self.slot_quota)
             elif item.action == "restore":
                 result = slots.restore(item.slot_id, where, item.filename or "")
             else:
                 result = slots.erase(item.slot_id)
         except AneSpecError as exc:  # a bad id or name, a refused file: the client's to fix
-            job.post("error", (404 if isinstance(exc, SlotNotFound) else 400, str(exc)))
+            status = (404 if isinstance(exc, SlotNotFound)
+                      else 409 if isinstance(exc, SlotQuotaError) else 400)
+            job.post("error", (status, str(exc)))
             return
-        except OSError as exc:
-            job.post("error", (500, f"slot {item.action} failed: {exc}"))
+        except OSError as exc:  # the disk's: say what, never where (no server paths)
+            log.error("slot %s failed: %s", item.action, exc)
+            job.post("error", (500, f"slot {item.action} failed: {exc.strerror or type(exc).__name__}"))
             return
         job.post("done", result)
 

@@ -53,7 +53,9 @@ def serve_arguments(config: ServeConfig, python: str | None = None) -> list[str]
              "model_name": "--model-name", "log_level": "--log-level",
              "kv_slots": "--kv-slots", "slot_spill_mb": "--slot-spill-mb",
              "slot_save_path": "--slot-save-path", "draft_memory": "--draft-memory",
-             "draft_memory_tokens": "--draft-memory-tokens"}
+             "draft_memory_tokens": "--draft-memory-tokens", "body_timeout": "--body-timeout",
+             "slot_save_max_files": "--slot-save-max-files",
+             "slot_save_max_mb": "--slot-save-max-mb"}
     for field, flag in flags.items():
         value = getattr(config, field)
         if field == "slot_save_path" and value is not None:  # launchd runs from $HOME
@@ -64,8 +66,12 @@ def serve_arguments(config: ServeConfig, python: str | None = None) -> list[str]
                         ("verify", "--no-verify")):
         if not getattr(config, field):
             args.append(flag)
-    if config.allowed_origins:
-        args += ["--allowed-origins", ",".join(config.allowed_origins)]
+    if config.special_in_content:
+        args.append("--special-in-content")
+    for field, flag in (("allowed_origins", "--allowed-origins"),
+                        ("allowed_hosts", "--allowed-hosts")):
+        if getattr(config, field):
+            args += [flag, ",".join(getattr(config, field))]
     return args
 
 

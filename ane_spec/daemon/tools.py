@@ -15,6 +15,12 @@ Sources (nothing here is guessed):
 The forced kinds of `tool_choice` (required, a named function) are enforced with a grammar, and
 `auto` with one that allows plain text or a well-formed call: even a tiny model returns
 arguments valid against the function's `parameters` schema.
+
+The model's own voice cannot be forged. Client text (messages, tool descriptions, earlier calls'
+arguments) is text: only the `Markup` this module adds may become special tokens
+(`chat.render_chat_pieces`). Under `auto`, the plain text may not spell `<|tool_call|>` in
+ordinary tokens, so only the real special token starts a call, and `check_calls` refuses any
+call to an undefined tool or with arguments its schema rejects.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ from typing import Any
 
 from ane_spec.daemon.protocol import ChatMessage, NamedToolChoice, Tool, tool_call_delta
 from ane_spec.decode.grammar import JSON_OPTIONS
+from ane_spec.decode.grammar_limits import GrammarLimits, check_json_depth
 from ane_spec.decode.stops import StopMatcher
+from ane_spec.model.chat import Markup
 
 TOOL_CALL = "<|tool_call|>"
 TOOL_CALL_END = "<|/tool_call|>"
@@ -43,19 +51,22 @@ def tool_definitions(tools: list[Tool]) -> str:
                       ensure_ascii=False)
 
 
-def template_messages(messages: list[ChatMessage],
-                      tools: list[Tool] | None) -> list[dict[str, Any]]:
-    """OpenAI messages as the chat template's {"role", "content"[, "tools"]} dicts."""
+def template_messages(messages: list[ChatMessage], tools: list[Tool] | None,
+                      limits: GrammarLimits = GrammarLimits()) -> list[dict[str, Any]]:
+    """OpenAI messages as the chat template's {"role", "content"[, "tools"]} dicts; a content
+    is text, or text with the tool-call tags as `Markup` (see `chat.render_chat_pieces`)."""
     out: list[dict[str, Any]] = []
     for m in messages:
         role = "system" if m.role == "developer" else m.role
-        content = m.text()
+        content: str | list[str] = m.text()
         if role == "tool":
             role = TOOL_RESPONSE_ROLE
         elif role == "assistant" and m.tool_calls:
-            calls = [{"name": c.function.name, "arguments": _arguments(c.function.arguments)}
+            calls = [{"name": c.function.name,
+                      "arguments": _arguments(c.function.arguments, limits)}
                      for c in m.tool_calls]
-            content += TOOL_CALL + json.dumps(calls, ensure_ascii=False) + TOOL_CALL_END
+            content = [content, Markup(TOOL_CALL), json.dumps(calls, ensure_ascii=False),
+                       Markup(TOOL_CALL_END)]
         out.append({"role": role, "content": content})
     if tools:
         system = next((m for m in out if m["role"] == "system"), None)
@@ -66,12 +77,17 @@ def template_messages(messages: list[ChatMessage],
     return out
 
 
-def _arguments(text: str) -> Any:
+def _arguments(text: str, limits: GrammarLimits) -> Any:
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError:
         raise ValueError(f"an assistant tool call's arguments are not JSON: {text[:60]!r}")\
             from None
+    except RecursionError:  # Python's parser gives up near 1,000 levels
+        raise ValueError("an assistant tool call's arguments are nested too deeply; the limit "
+                         f"is {limits.max_depth} levels") from None
+    check_json_depth(value, "an assistant tool call's arguments", limits)
+    return value
 
 
 def tool_call_grammar(tools: list[Tool], choice: str | NamedToolChoice | None,
@@ -92,8 +108,34 @@ def tool_call_grammar(tools: list[Tool], choice: str | NamedToolChoice | None,
         calls["maxItems"] = 1
     call = f"call: {TOOL_CALL} %json {json.dumps(calls)} {TOOL_CALL_END}"
     if choice in (None, "auto"):
-        return f"start: TEXT | TEXT? call\n{call}\nTEXT: /(.|\\n)+/\n"
+        # Any text that does not spell the call tag in ordinary tokens (llguidance's & and ~).
+        marker = re.escape(TOOL_CALL).replace("/", "\\/")
+        text = f"/(.|\\n)+/ & ~/(.|\\n)*{marker}(.|\\n)*/"
+        return f"start: TEXT | TEXT? call\n{call}\nTEXT: {text}\n"
     return f"start: call\n{call}\n"
+
+
+def check_calls(calls: list[dict[str, Any]], tools: list[Tool]) -> str | None:
+    """Why parsed tool calls cannot be returned (an undefined tool, arguments that are not JSON
+    or that the tool's schema rejects), or None. The grammar already guarantees all of this:
+    a failure here is a bug, and the calls must not reach the client."""
+    import jsonschema
+
+    schemas = {t.function.name: t.function.parameters or NO_PARAMETERS for t in tools}
+    for call in calls:
+        name, text = call["function"]["name"], call["function"]["arguments"]
+        if name not in schemas:
+            return f"the model called {name!r}, which is not one of the tools given"
+        try:
+            jsonschema.validate(json.loads(text), schemas[name])
+        except (json.JSONDecodeError, RecursionError):
+            return f"the arguments of the call to {name!r} are not JSON"
+        except jsonschema.ValidationError as exc:
+            return f"the arguments of the call to {name!r} do not match its schema " \
+                   f"({exc.message})"
+        except jsonschema.SchemaError:
+            continue  # a schema llguidance enforced but jsonschema cannot check
+    return None
 
 
 # Complete only once the value's first character has arrived, so that a piece ending between
