@@ -344,7 +344,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=8,
                    help="requests that may wait behind the running one; more get 429")
     p.add_argument("--no-speculative", action="store_true",
-                   help="plain T=1 decoding unless a request asks for speculation")
+                   help="plain greedy decoding, one token per pass (padded to T=4 in the "
+                        "fixed decode shape, T=1 in the mixed one), unless a request asks for "
+                        "speculation")
     p.add_argument("--ngram-min", type=int, help="drafter's shortest n-gram match")
     p.add_argument("--ngram-max", type=int, help="drafter's longest n-gram match")
     p.add_argument("--no-guard", action="store_true",
@@ -394,7 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show the full traceback of an error instead of one line")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("demo", help="the whole toolchain on a generated tiny model (start here)")
+    p = sub.add_parser("demo", help="the whole toolchain on the shipped tiny-code model "
+                                         "(start here)")
     p.add_argument("--out", default="local-artifacts/demo")
     p.set_defaults(handler=cmd_demo)
 
@@ -475,7 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int)
-    p.add_argument("--no-speculative", action="store_true", help="plain T=1 greedy decoding")
+    p.add_argument("--no-speculative", action="store_true",
+                   help="plain greedy decoding, one token per pass (padded to T=4 in the fixed "
+                        "decode shape, T=1 in the mixed one)")
     p.add_argument("--no-guard", action="store_true", help="mixed decode shape: turn the near-tie guard off")
     _add_ngram_args(p)
     p.add_argument("--trace", help="write one JSON line per pass to this file")
@@ -484,7 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_backend_args(p)
     p.set_defaults(handler=cmd_generate)
 
-    p = sub.add_parser("sweep", help="T=1 greedy vs speculative over prompt lengths, one process")
+    p = sub.add_parser("sweep", help="plain greedy (one token per pass) vs speculative decoding "
+                                          "over prompt lengths, one process")
     p.add_argument("--manifest", required=True)
     p.add_argument("--lengths", type=lambda t: [int(x) for x in t.split(",")],
                    default=[100, 200, 372, 800], help="prompt lengths, e.g. 100,200,372,800")
