@@ -543,11 +543,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="also write a short Markdown report to this file")
     p.set_defaults(handler=cmd_doctor)
 
-    probe = sub.add_parser("probe", help="gates (row-invariance, parity, block, drift, residency, "
-                                         "all) and probes")
+    probe = sub.add_parser("probe", help="gates (row-invariance, overflow, parity, block, drift, "
+                                         "residency, all) and probes")
     psub = probe.add_subparsers(dest="gate", required=True, metavar="GATE")
     for gate, text in (("row-invariance", "a token's logits and K/V are the same at every row "
                                            "of a pass (what exact fixed-shape decoding needs)"),
+                       ("overflow", "a row that overflows fp16 (padding, filler, rejected draft) "
+                                    "changes no other slot or row"),
                        ("parity", "whole pipeline vs the reference forward pass"),
                        ("block", "T=4 block vs four T=1 calls, per shard"),
                        ("drift", "T=4 vs T=1 logit drift, stored for the exactness guard"),

@@ -17,7 +17,7 @@ def test_demo_completes_the_prompt_identically_with_and_without_speculation(
     text = "\n".join(lines)
     assert result["identical"] and "identical tokens: yes" in text
     assert "NOT Phi-4-mini" in text and "tiny-code" in text
-    for gate in ("row-invariance [mil/fp32]", "parity [mil/fp32/fixed]", "block [mil/fp32]",
+    for gate in ("row-invariance [mil/fp32]", "overflow [mil/fp32]", "parity [mil/fp32/fixed]", "block [mil/fp32]",
                  "drift [mil/fp32/fixed]"):
         assert f"{gate}: PASS" in text
     # The real completion is printed under the prompt, and it is code-shaped text.

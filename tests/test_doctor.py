@@ -19,7 +19,7 @@ ON_MAC = sys.platform == "darwin"
 CORE_ML_PROBES = {"neural-engine", "synthetic-t4 d1024 (Core ML)", "synthetic-t4 phi (Core ML)"}
 CORE_ML_BUILD = {"residency", "cold-jit", "warm-latency", "peak-memory", "ane-vs-cpu"}
 CORE_ML_ONLY = CORE_ML_PROBES | CORE_ML_BUILD
-MODEL_CHECKS = {"row-invariance", "block", "drift", "parity"}
+MODEL_CHECKS = {"row-invariance", "overflow", "block", "drift", "parity"}
 BUILD_FIGURES = {"kv-slots"}
 
 
@@ -78,7 +78,7 @@ def test_with_a_build_json_and_markdown(build_dir: Path, tmp_path: Path, capsys)
     assert checks["kv-slots"]["status"] == "passed"
     assert checks["kv-slots"]["details"]["ane_slots"] > 100
     assert "resident slots fit" in checks["kv-slots"]["summary"]
-    assert out["counts"] == {"passed": 9, "failed": 0, "skipped": 8}
+    assert out["counts"] == {"passed": 10, "failed": 0, "skipped": 8}
 
     markdown = report.read_text()
     assert markdown.startswith("## ane-spec doctor") and "| parity | passed |" in markdown

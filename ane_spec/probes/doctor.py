@@ -337,6 +337,12 @@ def check_row_invariance(run: DoctorRun) -> Verdict:
     return _from_gate(run_row_invariance(run.pipeline()))
 
 
+def check_overflow(run: DoctorRun) -> Verdict:
+    from ane_spec.probes.overflow import run_overflow
+
+    return _from_gate(run_overflow(run.pipeline()))
+
+
 def check_block(run: DoctorRun) -> Verdict:
     from ane_spec.probes.block import run_block
 
@@ -396,6 +402,7 @@ CHECKS: list[tuple[str, CheckFn]] = [
     ("cold-jit", check_cold_jit),  # the first predictions with the build's shards: keep first
     ("warm-latency", check_warm_latency),
     ("row-invariance", check_row_invariance),
+    ("overflow", check_overflow),
     ("block", check_block),
     ("drift", check_drift),
     ("parity", check_parity),

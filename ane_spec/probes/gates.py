@@ -1,4 +1,4 @@
-"""`ane-spec probe parity|block|drift|row-invariance|residency|all`: run gates on a build, report,
+"""`ane-spec probe parity|block|drift|row-invariance|overflow|residency|all`: run gates on a build, report,
 record in the manifest."""
 
 from __future__ import annotations
@@ -11,14 +11,16 @@ from ane_spec.errors import AneSpecError
 from ane_spec.manifests.store import LoadedManifest, load_manifest, record_drift
 from ane_spec.probes.block import run_block
 from ane_spec.probes.drift import measure_drift
+from ane_spec.probes.overflow import run_overflow
 from ane_spec.probes.parity import run_parity
 from ane_spec.probes.report import GateReport, save_report
 from ane_spec.probes.row_invariance import run_row_invariance
 from ane_spec.runtime.backend import BackendName, DecodeShape, Precision, make_backend
 from ane_spec.runtime.pipeline import ShardPipeline
 
-# Row invariance first: on new hardware it is the property everything exact rests on.
-GATES = ("row-invariance", "parity", "block", "drift", "residency")
+# Row invariance first: on new hardware it is the property everything exact rests on; overflow
+# isolation next, the other half of it (a row that overflows must not reach other rows).
+GATES = ("row-invariance", "overflow", "parity", "block", "drift", "residency")
 
 
 def open_pipeline(manifest: str | os.PathLike[str], backend: BackendName, precision: Precision,
@@ -107,6 +109,8 @@ def run_gates(manifest: str | os.PathLike[str], gates: tuple[str, ...], *,
                 record_drift(loaded.root, pipeline.drift_key, report.figures["drift"])
             elif gate == "row-invariance":
                 report = run_row_invariance(pipeline)
+            elif gate == "overflow":
+                report = run_overflow(pipeline)
             else:
                 report = run_block(pipeline)
         if save:

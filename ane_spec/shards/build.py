@@ -64,7 +64,7 @@ from ane_spec.shards.weights import (
 )
 
 # Bump when the emitted graphs change, so fingerprints stop matching and shards are rebuilt.
-COMPILER_REVISION = 1
+COMPILER_REVISION = 2
 MATRICES = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
 
 Progress = Callable[[str], None]
