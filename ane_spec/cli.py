@@ -242,8 +242,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def cmd_bench_drafter(args: argparse.Namespace) -> int:
     from ane_spec.bench.drafter_bench import (
-        CrossRequest, VllmNgramBaseline, format_markdown, format_side_by_side, losses,
-        run_drafter_bench,
+        BUILTIN_STREAMS_CAVEAT, CrossRequest, VllmNgramBaseline, format_markdown,
+        format_side_by_side, losses, run_drafter_bench,
     )
     from ane_spec.bench.streams import builtin_streams, load_streams
     from ane_spec.bench.suffix_baseline import SuffixDecodingBaseline
@@ -259,8 +259,12 @@ def cmd_bench_drafter(args: argparse.Namespace) -> int:
         "vllm-ngram": lambda: VllmNgramBaseline(**ngrams),
     }
     result = run_drafter_bench(streams, drafters, k=3, fill=args.fill)
-    print(json.dumps(result) if args.json
-          else format_side_by_side(result) + "\n" + format_markdown(result))
+    if args.json:
+        print(json.dumps(result | {"caveat": None if args.streams else BUILTIN_STREAMS_CAVEAT}))
+    else:
+        print(format_side_by_side(result) + "\n" + format_markdown(result))
+        if not args.streams:
+            print(BUILTIN_STREAMS_CAVEAT)
     # The verdict is the pooled figure: with a few streams per family (the default is 4) one
     # family's figure is a handful of requests; scripts/bench_drafter.py judges every family on
     # 60 streams each.
