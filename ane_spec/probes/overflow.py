@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ane_spec.errors import AneSpecError
 from ane_spec.probes.parity import gate_prompts, special_token_ids
 from ane_spec.probes.report import GateReport
 from ane_spec.probes.row_invariance import exactly_equal, state_arrays
@@ -68,8 +69,8 @@ class Outcome:
 def run_overflow(pipeline: ShardPipeline, prefix_lengths: tuple[int, ...] = (9,),
                  end_of_context: bool = True, seed: int = 11) -> GateReport:
     if pipeline.max_t < WIDTH:
-        raise ValueError(f"the overflow probe needs passes of {WIDTH} rows; the build has "
-                         f"{pipeline.max_t}")
+        raise AneSpecError(f"the overflow probe needs passes of {WIDTH} rows; the build has "
+                           f"{pipeline.max_t}")
     s, vocab = pipeline.max_seq, pipeline.config.vocab_size
     lengths = [p for p in prefix_lengths if p + WIDTH <= s]
     if end_of_context:
@@ -173,7 +174,7 @@ def _execute(pipeline: ShardPipeline, passes: list[Pass], poisoned: list[list[in
 def _case(p: int, case: str, poison: str, clean: Outcome, dirty: Outcome, slots: int) -> dict:
     """Compare the read rows and the first `slots` slots of every state (slot axis 2)."""
     rows_equal = all(exactly_equal(a, b) for a, b in zip(clean.rows, dirty.rows))
-    finite = bool(dirty.states)
+    finite = bool(clean.states) and bool(dirty.states)  # [] where a pass left a non-finite value
     states_equal = finite and all(exactly_equal(a[:, :, :slots], b[:, :, :slots])
                                   for a, b in zip(clean.states, dirty.states))
     return {"prefix_tokens": p, "case": case, "poison": poison, "finite": finite,
