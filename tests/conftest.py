@@ -31,3 +31,16 @@ def tiny_build_512(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory) ->
     out = tmp_path_factory.mktemp("tiny512") / "art"
     build(tiny_gguf, out, BuildRequest(topology="2,1", max_seq=512))
     return out
+
+
+@pytest.fixture
+def coreml_standin(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory):
+    """coremltools' native layer replaced by tests/coreml_standin.py for one test: the real
+    CoreMLBackend, compiled cache and everything above them run on Linux. The compiled-model
+    cache is a fresh folder."""
+    from ane_spec.runtime.compiled_cache import CACHE_ENV
+    from tests import coreml_standin
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("standin-cache")))
+    coreml_standin.install(monkeypatch)
+    return coreml_standin

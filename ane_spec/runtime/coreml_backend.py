@@ -69,6 +69,14 @@ def require_macos(what: str, advice: str = "") -> None:
                                  f"load ({exc})" + tail) from None
 
 
+def hardware_problem() -> str | None:
+    """Why results here say nothing about Apple hardware (placement, speed, JIT, memory), or
+    None on a real Core ML. Only a test stand-in for coremltools' native layer says so (through
+    its module attribute); Core ML itself never does."""
+    module = sys.modules.get("coremltools.libcoremlpython")
+    return getattr(module, "ANE_SPEC_STANDIN", None)
+
+
 def compile_package(package: Path, sha256: str | None = None) -> Path:
     """The compiled `.mlmodelc` of a package, from the per-user cache (see compiled_cache),
     compiling it on first use. `sha256` is the package's content hash as a manifest records it;
@@ -125,12 +133,20 @@ class CoreMLProgram:
         return {k: np.asarray(v) for k, v in out.items()}
 
     def read_state(self, state: Any, name: str) -> np.ndarray:
-        # MLState.read_state(name) -> numpy array (models/model.py; test_api_examples.py).
+        # MLState.read_state(name) (models/model.py) -> State::readState (CoreMLPython.mm):
+        # Utils::convertArrayValueToPython already returns a float32 copy of the fp16 state.
         return np.array(state.read_state(name), dtype=np.float32)
 
     def write_state(self, state: Any, name: str, value: np.ndarray) -> None:
-        # MLState.write_state(name, value) (models/model.py, coremltools 9): states are fp16.
-        state.write_state(name, np.ascontiguousarray(value, dtype=np.float16))
+        # MLState.write_state (models/model.py) hands the value to State::writeState untouched
+        # (no fp16 upcast, unlike predict), and the bridge accepts only int32, float32 and float64
+        # arrays (CoreMLPythonArray.mm dataTypeOf; anything else is "value type not
+        # convertible", CoreMLPythonUtils.mm convertValueToObjC). So float32, whole-state shape,
+        # contiguous and writable; Core ML converts it to the state's fp16 (transferToMultiArray),
+        # and fp16 -> fp32 -> fp16 is exact.
+        if name not in self.state_names:
+            raise AneSpecError(f"no state '{name}' (have {', '.join(self.state_names)})")
+        state.write_state(name, np.array(value, dtype=np.float32, order="C", copy=True))
 
 
 class CoreMLBackend:
