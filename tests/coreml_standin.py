@@ -333,6 +333,7 @@ def _structure(package: Path):
                                                         type=cp.MLModelStructureProgramValueType())
 
     def block(blk) -> cp.MLModelStructureProgramBlock:
+        block_inputs = blk.inputs.values() if isinstance(blk.inputs, dict) else blk.inputs
         ops = []
         for op in blk.operations:
             inputs = {}
@@ -345,7 +346,7 @@ def _structure(package: Path):
                 outputs=[named(v) for v in op.outputs],
                 blocks=[block(b) for b in getattr(op, "blocks", [])], __proxy__=None))
         return cp.MLModelStructureProgramBlock(
-            inputs=[named(v) for v in getattr(blk, "inputs", [])], operations=ops,
+            inputs=[named(v) for v in block_inputs], operations=ops,
             output_names=[v.name for v in blk.outputs])
 
     functions = {name: cp.MLModelStructureProgramFunction(

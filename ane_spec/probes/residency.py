@@ -18,7 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from ane_spec.errors import AneSpecError
-from ane_spec.runtime.coreml_backend import check_compute_units, compile_package, require_macos
+from ane_spec.runtime.coreml_backend import (
+    check_compute_units,
+    compile_package,
+    hardware_problem,
+    require_macos,
+)
 from ane_spec.shards.static_checks import read_package_facts
 from ane_spec.shards.topology import DEFAULT_MAX_SHARD_MB, MIB
 
@@ -34,6 +39,9 @@ class ResidencyReport:
     unplanned: dict[str, int] = field(default_factory=dict)  # op type -> ops with usage None
     non_ane_ops: list[dict[str, Any]] = field(default_factory=list)
     # each {"op": type, "output": first output name, "device": preferred device, "cost": weight}
+    # Why placement is unknown although the plan loaded (a stand-in for Core ML's native layer
+    # reads structure only); None on real Core ML.
+    undetermined: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -55,7 +63,9 @@ def residency_report(package: Path, compute_units: str = "CPU_AND_NE",
     compiled = compile_package(package, sha256)
     # MLComputePlan.load_from_path(path, compute_units) on the .mlmodelc (models/compute_plan.py)
     plan = MLComputePlan.load_from_path(str(compiled), compute_units=ct.ComputeUnit[compute_units])
-    return plan_residency(plan, str(package), compute_units)
+    report = plan_residency(plan, str(package), compute_units)
+    report.undetermined = hardware_problem()
+    return report
 
 
 def op_kind(operator_name: str) -> str:
