@@ -164,14 +164,20 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ane_spec.probes.doctor import run_doctor
-    from ane_spec.probes.doctor_report import to_json, to_lines, to_markdown
+    from ane_spec.probes.doctor_report import to_json, to_lines, to_markdown, write_atomically
+
+    def save(done: list) -> None:  # after every check: a crash later loses nothing
+        if args.out:
+            out = Path(args.out)
+            write_atomically(out, to_markdown(done, args.manifest))
+            write_atomically(out.with_suffix(".json"), to_json(done, args.manifest))
 
     checks = run_doctor(args.manifest, decode_shape=args.decode_shape, gguf=args.gguf,
-                        progress=lambda msg: print(f"[doctor] {msg}", file=sys.stderr))
+                        progress=lambda msg: print(f"[doctor] {msg}", file=sys.stderr),
+                        on_check=save)
     print(to_json(checks, args.manifest) if args.json else to_lines(checks))
     if args.out:
-        Path(args.out).write_text(to_markdown(checks, args.manifest))
-        print(f"wrote {args.out}", file=sys.stderr)
+        print(f"wrote {args.out} and {Path(args.out).with_suffix('.json')}", file=sys.stderr)
     return 1 if any(c.status == "failed" for c in checks) else 0
 
 
@@ -534,7 +540,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-shape", choices=["fixed", "mixed"], default="fixed",
                    help="the decode shape to check (sets Core ML's reshape hint)")
     p.add_argument("--json", action="store_true", help="print one JSON object with a checks list")
-    p.add_argument("--out", help="also write a short Markdown report to this file")
+    p.add_argument("--out", help="also write a short Markdown report to this file, and JSON "
+                   "beside it (.json); both are rewritten after every check")
     p.set_defaults(handler=cmd_doctor)
 
     probe = sub.add_parser("probe", help="gates (row-invariance, parity, block, drift, residency, "

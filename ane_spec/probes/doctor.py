@@ -3,7 +3,10 @@ Core ML path makes, and says for each check `passed`, `failed` or `skipped` with
 
 Checks are small functions listed in `CHECKS` with their names, run in order; each takes the
 shared `DoctorRun` and returns a `Verdict` (or raises `Skip`). Adding a check is one function and
-one line in that list. A check that needs
+one line in that list. Checks marked `@core_ml_check` run, where Core ML runs, in a child process
+(`doctor_worker`): a native crash there reads `crashed: signal N during <check>` and the checks
+after it still run. `run_doctor` hands every result to `on_check` as it comes, so the report on
+disk is never older than the last finished check. A check that needs
 Core ML is skipped with Core ML's own one-line reason where it cannot run (Linux, macOS < 15); one
 that needs a build is skipped without `--manifest`. With a manifest, the model checks run on
 Core ML (`CPU_AND_NE`) where it runs, and on the fp16 MIL interpreter elsewhere.
@@ -15,6 +18,7 @@ shards; the residency check before it compiles and plans but never predicts.
 
 from __future__ import annotations
 
+import functools
 import platform
 import statistics
 import subprocess
@@ -58,6 +62,20 @@ class Check:
     status: Status
     summary: str
     details: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0  # wall time, a worker start included
+
+
+CheckFn = Callable[["DoctorRun"], Verdict]
+
+
+def core_ml_check(fn: CheckFn) -> CheckFn:
+    """Mark a check that calls into Core ML: where Core ML runs, it runs in the worker child."""
+    fn.core_ml = True  # type: ignore[attr-defined]
+    return fn
+
+
+def runs_in_child(fn: Any) -> bool:
+    return getattr(getattr(fn, "func", fn), "core_ml", False)
 
 
 class Skip(Exception):
@@ -95,6 +113,16 @@ class DoctorRun:
     def need_coreml(self) -> None:
         if self.coreml_problem:
             raise Skip(self.coreml_problem)
+
+    def need_hardware(self) -> None:
+        """Skip a check that measures the hardware (placement, speed, JIT, memory) where Core
+        ML's native layer is only a stand-in."""
+        from ane_spec.runtime.coreml_backend import hardware_problem
+
+        self.need_coreml()
+        problem = hardware_problem()
+        if problem:
+            raise Skip(problem)
 
     @property
     def loaded(self) -> LoadedManifest:
@@ -156,8 +184,9 @@ def check_environment(run: DoctorRun) -> Verdict:
     return Verdict("passed", summary, facts)
 
 
+@core_ml_check
 def check_neural_engine(run: DoctorRun) -> Verdict:
-    run.need_coreml()
+    run.need_hardware()
     from coremltools.models.compute_device import MLComputeDevice, MLNeuralEngineComputeDevice
 
     devices = MLComputeDevice.get_all_compute_devices()
@@ -221,29 +250,35 @@ def check_synthetic_tiny(run: DoctorRun) -> Verdict:
     return _from_gate(report)
 
 
-def synthetic_on_coreml(dims: str) -> Callable[[DoctorRun], Verdict]:
+@core_ml_check
+def check_synthetic_on_coreml(dims: str, run: DoctorRun) -> Verdict:
     """seeds/003's probe at `dims` on Core ML: residency, and T=4 against four T=1 calls."""
-    def check(run: DoctorRun) -> Verdict:
-        if run.coreml_problem:
-            raise Skip(f"{run.coreml_problem} (a Core ML check: the interpreter would take "
-                       f"minutes at {dims} dims)")
-        from ane_spec.probes.residency import residency_report
-        from ane_spec.probes.synthetic import probe_block
+    if run.coreml_problem:
+        raise Skip(f"{run.coreml_problem} (a Core ML check: the interpreter would take "
+                   f"minutes at {dims} dims)")
+    run.need_hardware()  # a stand-in computes with the interpreter: minutes at these dims
+    from ane_spec.probes.residency import residency_report
+    from ane_spec.probes.synthetic import probe_block
 
-        path, config, max_seq = run.synthetic(dims)
-        backend = make_backend("coreml", decode_shape=run.decode_shape)
-        block = probe_block(path, config, max_seq, "BCT1", backend, f"synthetic-t4-{dims}")
-        residency = residency_report(path)
-        passed = block.passed and residency.passed
-        summary = (f"residency {_residency_line(residency)}; T=4 vs 4 x T=1 min cosine "
-                   f"{block.figures['min_cosine']:.6f}")
-        return Verdict("passed" if passed else "failed", summary,
-                     {"block": block.to_dict(), "residency": residency.to_dict()})
-    return check
+    path, config, max_seq = run.synthetic(dims)
+    backend = make_backend("coreml", decode_shape=run.decode_shape)
+    block = probe_block(path, config, max_seq, "BCT1", backend, f"synthetic-t4-{dims}")
+    residency = residency_report(path)
+    passed = block.passed and residency.passed
+    summary = (f"residency {_residency_line(residency)}; T=4 vs 4 x T=1 min cosine "
+               f"{block.figures['min_cosine']:.6f}")
+    return Verdict("passed" if passed else "failed", summary,
+                   {"block": block.to_dict(), "residency": residency.to_dict()})
+
+
+def synthetic_on_coreml(dims: str) -> CheckFn:
+    # A partial of a module-level function, so the worker child can unpickle it.
+    return functools.partial(check_synthetic_on_coreml, dims)
 
 
 # --- the build on Core ML -----------------------------------------------------------------
 
+@core_ml_check
 def check_residency(run: DoctorRun) -> Verdict:
     run.need_build_on_coreml()
     from ane_spec.probes.residency import residency_report
@@ -252,16 +287,23 @@ def check_residency(run: DoctorRun) -> Verdict:
     for label, path, sha in run.packages():
         run.progress(f"compute plan of {label}")
         per_package[label] = residency_report(path, "CPU_AND_NE", sha256=sha)
+    undetermined = next((r.undetermined for r in per_package.values() if r.undetermined), None)
+    if undetermined:  # the plan loaded and its structure was read; placement is unknown
+        ops = sum(r.conv_total + sum(r.unplanned.values()) for r in per_package.values())
+        raise Skip(f"{undetermined}; structure only: {ops} op(s) in {len(per_package)} "
+                   "package(s) read, placement unknown")
     failed = [label for label, r in per_package.items() if not r.passed]
     summary = "; ".join(f"{label}: {_residency_line(r)}" for label, r in per_package.items())
     return Verdict("failed" if failed else "passed", summary,
                  {label: r.to_dict() for label, r in per_package.items()})
 
 
+@core_ml_check
 def check_cold_jit(run: DoctorRun) -> Verdict:
     """Seconds of the first prediction of each package at T=4 (and T=1 in the mixed shape): Core
     ML specialises a program once per process and input shape, before its first result."""
     run.need_build_on_coreml()
+    run.need_hardware()
     import numpy as np
 
     t0 = time.perf_counter()
@@ -289,9 +331,11 @@ def check_cold_jit(run: DoctorRun) -> Verdict:
                                       "load_s": round(load_s, 3), "first_prediction_s": first})
 
 
+@core_ml_check
 def check_warm_latency(run: DoctorRun) -> Verdict:
     """Median backend time of a whole pass (shards + head) at T=1 and T=4 on CPU_AND_NE, warm."""
     run.need_build_on_coreml()
+    run.need_hardware()
     pipeline = run.pipeline("CPU_AND_NE")
     figures = {f"t{w}_ms": _median_pass_ms(pipeline, w) for w in (1, 4)}
     run.measurements["CPU_AND_NE"] = figures
@@ -300,11 +344,13 @@ def check_warm_latency(run: DoctorRun) -> Verdict:
                    figures | {"backend": pipeline.backend.describe()})
 
 
+@core_ml_check
 def check_ane_vs_cpu(run: DoctorRun) -> Verdict:
     """The same passes under CPU_ONLY: the compute plan cannot see runtime choices (such as the
     reshape hint), so the clock is the cross-check that the Neural Engine is really used. Last,
     because a CPU_ONLY copy of the build adds to the process's memory."""
     run.need_build_on_coreml()
+    run.need_hardware()
     ane = run.measurements.get("CPU_AND_NE")
     if ane is None:
         raise Skip("no CPU_AND_NE latency to compare with (warm-latency did not run)")
@@ -331,24 +377,28 @@ def _median_pass_ms(pipeline, width: int) -> float:
 
 # --- model checks: Core ML where it runs, the fp16 interpreter elsewhere --------------------
 
+@core_ml_check
 def check_row_invariance(run: DoctorRun) -> Verdict:
     from ane_spec.probes.row_invariance import run_row_invariance
 
     return _from_gate(run_row_invariance(run.pipeline()))
 
 
+@core_ml_check
 def check_block(run: DoctorRun) -> Verdict:
     from ane_spec.probes.block import run_block
 
     return _from_gate(run_block(run.pipeline()))
 
 
+@core_ml_check
 def check_drift(run: DoctorRun) -> Verdict:
     from ane_spec.probes.drift import measure_drift
 
     return _from_gate(measure_drift(run.pipeline()))
 
 
+@core_ml_check
 def check_parity(run: DoctorRun) -> Verdict:
     import importlib.util
 
@@ -362,10 +412,12 @@ def check_parity(run: DoctorRun) -> Verdict:
     return _from_gate(gate_parity(run.loaded, run.pipeline(), run.gguf))
 
 
+@core_ml_check
 def check_peak_memory(run: DoctorRun) -> Verdict:
     """Peak resident memory of this process, which by now has loaded and run the build on
     Core ML, against the ~3 GB per-process ANE limit the seed log hit."""
     run.need_build_on_coreml()
+    run.need_hardware()
     if "CPU_AND_NE" not in run.pipelines:
         raise Skip("the build was not loaded on Core ML (an earlier check failed)")
     peak = peak_rss_bytes()
@@ -381,8 +433,6 @@ def check_kv_slots(run: DoctorRun) -> Verdict:
     status: Status = "passed" if budget.ane_slots >= 1 else "failed"
     return Verdict(status, budget.summary(), budget.to_dict())
 
-
-CheckFn = Callable[[DoctorRun], Verdict]
 
 CHECKS: list[tuple[str, CheckFn]] = [
     ("environment", check_environment),
@@ -407,29 +457,53 @@ CHECKS: list[tuple[str, CheckFn]] = [
 
 def run_doctor(manifest: str | Path | None = None, *, decode_shape: str = "fixed",
                gguf: str | None = None, progress: Callable[[str], None] = lambda msg: None,
-               checks: list[tuple[str, CheckFn]] | None = None) -> list[Check]:
+               checks: list[tuple[str, CheckFn]] | None = None,
+               on_check: Callable[[list[Check]], None] = lambda done: None) -> list[Check]:
+    """Run the checks in order; after each, `on_check(results so far)`."""
+    from ane_spec.probes.doctor_worker import CheckWorker, WorkerSpec
+
     check_decode_shape(decode_shape)
     # A bad build is one clear error, not 10 failures.
     build = None if manifest is None else load_manifest(manifest, verify=True)
-    results = []
+    checks = checks or CHECKS
+    results: list[Check] = []
     with tempfile.TemporaryDirectory(prefix="ane-spec-doctor-") as work:
         run = DoctorRun(build, Path(work), decode_shape, gguf, progress)
-        for name, check in checks or CHECKS:
-            progress(f"{name} ...")
-            verdict = _run_one(check, run)
-            results.append(Check(name, **vars(verdict)))
+        worker = CheckWorker(WorkerSpec(None if manifest is None else str(manifest),
+                                        decode_shape, gguf, work), checks, progress)
+        try:
+            for index, (name, check) in enumerate(checks):
+                progress(f"{name} ...")
+                t0 = time.perf_counter()
+                if runs_in_child(check) and run.coreml_problem is None:
+                    fields = worker.run(index)
+                else:
+                    fields = vars(run_one(check, run))
+                results.append(Check(name, **fields,
+                                     seconds=round(time.perf_counter() - t0, 3)))
+                on_check(list(results))
+        finally:
+            worker.close()
     return results
 
 
-def _run_one(check: CheckFn, run: DoctorRun) -> Verdict:
+def run_one(check: CheckFn, run: DoctorRun) -> Verdict:
+    """One check, its Python exceptions turned into verdicts (a native crash is the worker's)."""
+    from ane_spec.runtime.coreml_backend import shape_switches
+
+    switches = shape_switches()
     try:
-        return check(run)
+        verdict = check(run)
     except Skip as why:
-        return Verdict("skipped", str(why))
+        verdict = Verdict("skipped", str(why))
     except BackendUnavailable as exc:
-        return Verdict("skipped", str(exc))
+        verdict = Verdict("skipped", str(exc))
     except Exception as exc:  # one broken check must not hide the others' results
-        return Verdict("failed", f"error: {type(exc).__name__}: {exc}".splitlines()[0])
+        verdict = Verdict("failed", f"error: {type(exc).__name__}: {exc}".splitlines()[0])
+    caused = shape_switches() - switches
+    if caused:  # each may cost a re-specialisation under reshapeFrequency Infrequent
+        verdict.details = dict(verdict.details) | {"shape_switches": caused}
+    return verdict
 
 
 # --- helpers ---------------------------------------------------------------------------------

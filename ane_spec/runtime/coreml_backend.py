@@ -108,12 +108,32 @@ def optimization_hints(reshape_frequency: ReshapeFrequency) -> dict[str, Any]:
     return {"reshapeFrequency": ct.ReshapeFrequency[reshape_frequency]}
 
 
+# Input-shape changes on programs loaded with reshapeFrequency Infrequent, in this process. Apple:
+# with Infrequent, Core ML re-optimises for each new shape (about 2 minutes per shape for a
+# Phi-size stack in the seed log), so each one is a potential re-specialisation.
+_shape_switches = 0
+
+
+def shape_switches() -> int:
+    return _shape_switches
+
+
 class CoreMLProgram:
     def __init__(self, model: Any, input_names: list[str], output_names: list[str],
-                 state_names: list[str]):
+                 state_names: list[str], reshape_frequency: ReshapeFrequency = "Infrequent"):
         self.model = model
         self.input_names, self.output_names, self.state_names = (
             input_names, output_names, state_names)
+        self.reshape_frequency = reshape_frequency
+        self._last_shapes: tuple | None = None
+
+    def _count_shape(self, feed: dict[str, np.ndarray]) -> None:
+        global _shape_switches
+        shapes = tuple(sorted((k, v.shape) for k, v in feed.items()))
+        if (self.reshape_frequency == "Infrequent" and self._last_shapes is not None
+                and shapes != self._last_shapes):
+            _shape_switches += 1
+        self._last_shapes = shapes
 
     def make_state(self) -> Any:
         # CompiledMLModel.make_state() -> MLState, zero-filled (Apple: MLModel.makeState()).
@@ -124,6 +144,7 @@ class CoreMLProgram:
         # given (MLModel._update_float16_multiarray_input_to_float32); Core ML then converts
         # them to the fp16 the package declares, so values are exactly these fp16 ones.
         feed = {k: np.ascontiguousarray(v, dtype=np.float16) for k, v in inputs.items()}
+        self._count_shape(feed)
         if not self.state_names:
             out = self.model.predict(feed)
         elif state is None:
@@ -173,7 +194,7 @@ class CoreMLBackend:
             str(compiled), ct.ComputeUnit[self.compute_units],
             optimization_hints=optimization_hints(self.reshape_frequency))
         return CoreMLProgram(model, [i.name for i in desc.input], [o.name for o in desc.output],
-                             [s.name for s in desc.state])
+                             [s.name for s in desc.state], self.reshape_frequency)
 
     def describe(self) -> str:
         return f"Core ML ({self.compute_units}, reshapeFrequency {self.reshape_frequency})"
