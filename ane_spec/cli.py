@@ -283,7 +283,7 @@ def cmd_bench_drafter(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from ane_spec.demo import run_demo
 
-    result = run_demo(args.out)
+    result = run_demo(args.out, backend=args.backend)
     return 0 if result["identical"] else 1
 
 
@@ -402,6 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the whole toolchain on a generated tiny model (start here)")
     p.add_argument("--out", default="local-artifacts/demo")
+    p.add_argument("--backend", choices=["mil", "coreml"], default=None,
+                   help="coreml on macOS, the MIL interpreter elsewhere (the default)")
     p.set_defaults(handler=cmd_demo)
 
     p = sub.add_parser("inspect", help="print a GGUF file's config, tensors and tokenizer facts")
