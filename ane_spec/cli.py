@@ -193,7 +193,9 @@ def _add_backend_args(p: argparse.ArgumentParser, *, decode_shape: bool = True) 
     p.add_argument("--decode-shape", choices=["fixed", "mixed"], default="fixed",
                    help="fixed (default): every pass computes 4 rows, so speculative output equals "
                         "greedy bitwise on a row-invariant backend; mixed: T=1 decode + T=4 "
-                        "verify, cheaper where T=1 is much faster, exact only up to rounding")
+                        "verify, cheaper where T=1 is much faster, exact only up to rounding. "
+                        "Residency (MLComputePlan) is proven at T=4, the inputs' default "
+                        "shape, only: with mixed, T=1 residency is unproven")
 
 
 # --- decoding ---------------------------------------------------------------------------------
@@ -540,7 +542,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "row invariance, drift, parity, memory")
     p.add_argument("--gguf", help="source GGUF for the parity check (default: the manifest's)")
     p.add_argument("--decode-shape", choices=["fixed", "mixed"], default="fixed",
-                   help="the decode shape to check (sets Core ML's reshape hint)")
+                   help="the decode shape to check (sets Core ML's reshape hint); residency is "
+                        "planned at T=4 only, so with mixed, T=1 residency is unproven")
     p.add_argument("--json", action="store_true", help="print one JSON object with a checks list")
     p.add_argument("--out", help="also write a short Markdown report to this file, and JSON "
                    "beside it (.json); both are rewritten after every check")

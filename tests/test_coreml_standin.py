@@ -212,3 +212,29 @@ def test_a_float16_write_state_fails_through_the_standin(coreml_standin, coreml_
     monkeypatch.setattr(CoreMLProgram, "write_state", float16_write_state)
     with pytest.raises(RuntimeError, match="value type not convertible"):
         run_row_invariance(pipeline, prefix_lengths=(5,), end_of_context=False)
+
+
+def test_inputs_default_to_the_shape_that_runs(coreml_build) -> None:
+    """Defect 2: MLComputePlan plans the RangeDim default, and the fixed decode shape runs T=4,
+    so every input defaults to T=4 and the manifest says which shape residency covers."""
+    import coremltools as ct
+
+    out, m = coreml_build
+    assert m.build.default_t == 4
+    for entry in (*m.shards, m.head):
+        spec = ct.models.MLModel(str(out / entry.file.path), skip_model_load=True).get_spec()
+        for feature in spec.description.input:
+            arr = feature.type.multiArrayType
+            t_axes = [i for i, r in enumerate(arr.shapeRange.sizeRanges)
+                      if (r.lowerBound, r.upperBound) == (1, 4)]
+            assert t_axes and all(arr.shape[i] == 4 for i in t_axes), feature.name
+
+
+def test_old_manifests_read_as_planned_at_t1() -> None:
+    from ane_spec.manifests.schema import BuildOptions
+
+    old = dict(topology=[2], max_seq=64, layout="BCT1", weights="int8-channel", head_chunks=1,
+               head_argmax=False, min_weight_cosine=0.99)
+    assert BuildOptions(**old).default_t == 1
+    with pytest.raises(ValueError, match="outside t_range"):
+        BuildOptions(**old, default_t=4, t_range=(1, 2))

@@ -293,9 +293,14 @@ def check_residency(run: DoctorRun) -> Verdict:
         raise Skip(f"{undetermined}; structure only: {ops} op(s) in {len(per_package)} "
                    "package(s) read, placement unknown")
     failed = [label for label, r in per_package.items() if not r.passed]
-    summary = "; ".join(f"{label}: {_residency_line(r)}" for label, r in per_package.items())
+    planned_t = run.loaded.manifest.build.default_t
+    summary = f"planned at T={planned_t} (the RangeDim default); " + "; ".join(
+        f"{label}: {_residency_line(r)}" for label, r in per_package.items())
+    if run.decode_shape == "mixed" and planned_t != 1:
+        summary += "; T=1 passes (mixed decode shape) are not covered"
     return Verdict("failed" if failed else "passed", summary,
-                 {label: r.to_dict() for label, r in per_package.items()})
+                   {label: r.to_dict() for label, r in per_package.items()}
+                   | {"planned_t": planned_t})
 
 
 @core_ml_check

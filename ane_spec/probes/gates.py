@@ -85,6 +85,8 @@ def gate_residency(loaded: LoadedManifest, compute_units: str = "CPU_AND_NE") ->
                                                       for p in r.details.get("packages", [])]},
                           skipped="; ".join(dict.fromkeys(r.skipped for r in parts if r.skipped)))
     figures = {k: sum(r.figures[k] for r in parts) for k in RESIDENCY_COUNTS}
+    # MLComputePlan plans the RangeDim default shape only: the one shape this verdict covers.
+    figures["planned_t"] = loaded.manifest.build.default_t
     figures["lint_warnings"] = len(lint)
     return GateReport("residency", all(r.passed for r in parts), "coreml", None, figures,
                       {"compute_non_ane": 0},

@@ -51,7 +51,13 @@ from ane_spec.model.gguf_file import GGUFModel, Tensor, open_gguf
 from ane_spec.shards.embeddings import write_embeddings
 from ane_spec.shards.layer_graph import CORRECT, GraphVariant, LayerWeights, Layout
 from ane_spec.shards.output_dir import OutputLock, building_dir, recover, swap_into_place
-from ane_spec.shards.programs import MAX_T, head_program, layer_program, save_package
+from ane_spec.shards.programs import (
+    DEFAULT_T,
+    MAX_T,
+    head_program,
+    layer_program,
+    save_package,
+)
 from ane_spec.shards.static_checks import check_package
 from ane_spec.shards.topology import DEFAULT_MAX_SHARD_MB, check_budget, parse_topology, plan_topology
 from ane_spec.shards.weights import (
@@ -64,7 +70,7 @@ from ane_spec.shards.weights import (
 )
 
 # Bump when the emitted graphs change, so fingerprints stop matching and shards are rebuilt.
-COMPILER_REVISION = 1
+COMPILER_REVISION = 2  # 2: RangeDim default T=4 (residency is planned at the shape that runs)
 MATRICES = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
 
 Progress = Callable[[str], None]
@@ -312,6 +318,7 @@ def _check_output(out: Path, force: bool) -> None:
 
 def _options(r: BuildRequest, ranges: list[tuple[int, int]]) -> BuildOptions:
     return BuildOptions(topology=[b - a for a, b in ranges], max_seq=r.max_seq, t_range=(1, MAX_T),
+                        default_t=DEFAULT_T,
                         layout=r.layout, weights=r.weights, head_chunks=r.head_chunks,
                         head_argmax=r.head_argmax, min_weight_cosine=r.min_weight_cosine)
 
