@@ -211,3 +211,11 @@ def test_a_native_crash_is_reported_and_later_checks_still_run(standin_everywher
     pids = {checks[0].details["pid"], checks[3].details["pid"], os.getpid()}
     assert len(pids) == 3  # two workers, neither of them this process
     assert [sum(s.values()) for s in snapshots] == [1, 2, 3, 4]
+
+
+def test_ane_vs_cpu_warns_on_small_macs() -> None:
+    from ane_spec.probes.doctor import small_mac_warning
+
+    assert "16 GB" in small_mac_warning(16 * 10**9) and "second full copy" in small_mac_warning(
+        8 * 10**9)
+    assert small_mac_warning(32 * 10**9) is None and small_mac_warning(None) is None

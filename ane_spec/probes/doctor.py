@@ -19,6 +19,7 @@ shards; the residency check before it compiles and plans but never predicts.
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import statistics
 import subprocess
@@ -31,6 +32,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
+from ane_spec.ane_limits import SMALL_MAC_BYTES
 from ane_spec.manifests.store import LoadedManifest, load_manifest
 from ane_spec.peak_memory import peak_rss_bytes
 from ane_spec.probes.report import GateReport
@@ -225,17 +227,20 @@ def check_fp16_only(run: DoctorRun) -> Verdict:
 
 
 def check_ane_lint(run: DoctorRun) -> Verdict:
-    from ane_spec.probes.residency import ane_lint
+    from ane_spec.probes.residency import INFORMATIONAL_LINT, ane_lint
 
     packages = _packages_or_synthetic(run)
     warnings = [{"package": label, "code": w.code, "message": w.message}
                 for label, path, _ in packages for w in ane_lint(path)]
-    if warnings:
-        codes = sorted({w["code"] for w in warnings})
-        return Verdict("failed", f"{len(warnings)} pattern(s) known to leave the ANE: "
-                     f"{', '.join(codes)}", {"warnings": warnings})
+    notes = sorted({w["code"] for w in warnings if w["code"] in INFORMATIONAL_LINT})
+    failing = [w for w in warnings if w["code"] not in INFORMATIONAL_LINT]
+    note = f"; notes: {', '.join(notes)}" if notes else ""
+    if failing:
+        codes = sorted({w["code"] for w in failing})
+        return Verdict("failed", f"{len(failing)} pattern(s) known to leave the ANE: "
+                     f"{', '.join(codes)}{note}", {"warnings": warnings})
     return Verdict("passed", f"{len(packages)} package(s), no pattern known to leave "
-                 "the ANE (a clean lint is not residency)", {})
+                 f"the ANE (a clean lint is not residency){note}", {"warnings": warnings})
 
 
 # --- synthetic probes ----------------------------------------------------------------------------
@@ -298,6 +303,10 @@ def check_residency(run: DoctorRun) -> Verdict:
         f"{label}: {_residency_line(r)}" for label, r in per_package.items())
     if run.decode_shape == "mixed" and planned_t != 1:
         summary += "; T=1 passes (mixed decode shape) are not covered"
+    argmax = {label: r.argmax_devices for label, r in per_package.items() if r.argmax_devices}
+    if argmax:  # --head-argmax: say where the wide reduce_argmax really landed
+        summary += "; reduce_argmax on " + ", ".join(
+            f"{label}: {'/'.join(sorted(set(d)))}" for label, d in argmax.items())
     return Verdict("failed" if failed else "passed", summary,
                    {label: r.to_dict() for label, r in per_package.items()}
                    | {"planned_t": planned_t})
@@ -359,16 +368,36 @@ def check_ane_vs_cpu(run: DoctorRun) -> Verdict:
     ane = run.measurements.get("CPU_AND_NE")
     if ane is None:
         raise Skip("no CPU_AND_NE latency to compare with (warm-latency did not run)")
+    memory_note = small_mac_warning(_host_memory_bytes())
+    if memory_note:
+        run.progress(memory_note)
     cpu = {f"t{w}_ms": _median_pass_ms(run.pipeline("CPU_ONLY"), w) for w in (1, 4)}
     run.pipelines.pop("CPU_ONLY")
     speedup = cpu["t4_ms"] / ane["t4_ms"]
     summary = (f"CPU_ONLY: T=1 {cpu['t1_ms']:.1f} ms, T=4 {cpu['t4_ms']:.1f} ms per pass; "
-               f"CPU_AND_NE is {speedup:.2f}x faster at T=4")
+               f"CPU_AND_NE is {speedup:.2f}x faster at T=4"
+               + (f" ({memory_note})" if memory_note else ""))
     if speedup >= MIN_ANE_SPEEDUP:
         return Verdict("passed", summary, {"CPU_ONLY": cpu, "ane_speedup_t4": speedup})
     return Verdict("failed", summary + f" (< {MIN_ANE_SPEEDUP}x: the Neural Engine may not be in "
                    "use; a tiny test model can also simply be faster on the CPU)",
                    {"CPU_ONLY": cpu, "ane_speedup_t4": speedup})
+
+
+def small_mac_warning(host_bytes: int | None) -> str | None:
+    """ane-vs-cpu loads a second, CPU_ONLY copy of the whole build: on a Mac with 16 GB or less
+    a Phi-size build may then swap, which slows both copies and the whole machine."""
+    if host_bytes is None or host_bytes > SMALL_MAC_BYTES:
+        return None
+    return (f"warning: this machine has {host_bytes / 1e9:.0f} GB; ane-vs-cpu loads a second "
+            "full copy of the build and may swap")
+
+
+def _host_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _median_pass_ms(pipeline, width: int) -> float:
@@ -419,16 +448,19 @@ def check_parity(run: DoctorRun) -> Verdict:
 
 @core_ml_check
 def check_peak_memory(run: DoctorRun) -> Verdict:
-    """Peak resident memory of this process, which by now has loaded and run the build on
-    Core ML, against the ~3 GB per-process ANE limit the seed log hit."""
+    """Peak resident memory of the worker process, which by now has loaded and run the build on
+    Core ML. Informational only: process RSS is not ANE memory (the ANE's own allocations do
+    not show in it), so it never fails; the ~3 GB per-process ANE limit the seed log hit is
+    given for scale."""
     run.need_build_on_coreml()
     run.need_hardware()
     if "CPU_AND_NE" not in run.pipelines:
         raise Skip("the build was not loaded on Core ML (an earlier check failed)")
     peak = peak_rss_bytes()
-    status: Status = "passed" if peak < ANE_PROCESS_BYTES else "failed"
-    return Verdict(status, f"peak RSS {peak / 1e9:.2f} GB (per-process ANE limit seen "
-                 f"at ~{ANE_PROCESS_BYTES / 1e9:.0f} GB)", {"peak_rss_gb": round(peak / 1e9, 3)})
+    return Verdict("passed", f"informational: peak RSS {peak / 1e9:.2f} GB (process memory, "
+                   f"not ANE memory; the per-process ANE limit was seen at "
+                   f"~{ANE_PROCESS_BYTES / 1e9:.0f} GB)",
+                   {"peak_rss_gb": round(peak / 1e9, 3), "informational": True})
 
 
 def check_kv_slots(run: DoctorRun) -> Verdict:

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ane_spec.ane_limits import ANE_MAX_SPATIAL, ARGMAX_NOTE, MAX_SEQ_SOURCE, Q8_BLOCK_SOURCE
 from ane_spec.errors import AneSpecError
 from ane_spec.runtime.coreml_backend import (
     check_compute_units,
@@ -42,6 +43,7 @@ class ResidencyReport:
     # Why placement is unknown although the plan loaded (a stand-in for Core ML's native layer
     # reads structure only); None on real Core ML.
     undetermined: str | None = None
+    argmax_devices: list[str] = field(default_factory=list)  # where each reduce_argmax goes
 
     @property
     def passed(self) -> bool:
@@ -88,6 +90,9 @@ def plan_residency(plan: Any, package: str, compute_units: str) -> ResidencyRepo
         if kind == "const" or kind.startswith("constexpr_"):
             continue  # weights and their decompression
         usage = plan.get_compute_device_usage_for_mlprogram_operation(op)
+        if kind == "reduce_argmax":  # --head-argmax: likely the CPU (ane_limits.ARGMAX_NOTE)
+            report.argmax_devices.append("unplanned" if usage is None else
+                                         type(usage.preferred_compute_device).__name__)
         is_conv = kind == "conv"
         report.conv_total += is_conv
         if usage is None:
@@ -111,6 +116,11 @@ def plan_residency(plan: Any, package: str, compute_units: str) -> ResidencyRepo
     return report
 
 
+# Lint codes that inform without failing the doctor's ane-lint check: a choice the user made
+# knowingly whose placement only the compute plan can settle.
+INFORMATIONAL_LINT = frozenset({"argmax"})
+
+
 @dataclass
 class LintWarning:
     package: str
@@ -130,8 +140,14 @@ def ane_lint(package: Path, *, max_shard_mb: int = DEFAULT_MAX_SHARD_MB) -> list
     blocked = [(name, scale) for name, data, scale in facts.blockwise if _per_block(data, scale)]
     if blocked:
         warn("per-block-scales", f"{len(blocked)} weight(s) have per-block scales (e.g. "
-             f"'{blocked[0][0]}', scale shape {blocked[0][1]}): the ANE only supports "
-             "per-output-channel or per-tensor scales (coremltools #2510); use int8-channel")
+             f"'{blocked[0][0]}', scale shape {blocked[0][1]}): {Q8_BLOCK_SOURCE}; use "
+             "int8-channel")
+    longest = max((max(shape) for shape, _ in facts.states.values()), default=0)
+    if longest > ANE_MAX_SPATIAL:
+        warn("max-seq", f"a state axis is {longest:,} long, above {ANE_MAX_SPATIAL:,} "
+             f"({MAX_SEQ_SOURCE})")
+    if facts.ops["reduce_argmax"]:
+        warn("argmax", f"{facts.ops['reduce_argmax']} reduce_argmax op(s): {ARGMAX_NOTE}")
     for name, (shape, _) in facts.states.items():
         if any(d != 1 and d % 32 for d in shape[-2:]):
             warn("state-dim-not-32", f"state '{name}' has shape {shape}: a state dimension that "

@@ -35,6 +35,7 @@ from coremltools.converters.mil.mil import Program, types
 from pydantic import BaseModel, ConfigDict
 
 import ane_spec
+from ane_spec.ane_limits import build_warnings
 from ane_spec.errors import AneSpecError, BuildError, ManifestError, one_line, untrusted
 from ane_spec.manifests.schema import (
     BuildOptions,
@@ -98,6 +99,7 @@ class BuildResult:
     built: list[str] = field(default_factory=list)
     reused: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)  # ANE limits the request runs into
 
 
 def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
@@ -112,6 +114,9 @@ def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
     out = Path(out_dir)
     model = open_gguf(gguf_path)
     ranges = _validate(model, request)
+    warnings = build_warnings(request.max_seq, request.weights, request.head_argmax)
+    for w in warnings:
+        say(f"warning: {w}")
     try:
         with OutputLock(out) as lock:
             removed = recover(out, _is_complete)
@@ -135,6 +140,7 @@ def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
         raise BuildError(f"cannot write the build for {out}: {exc.strerror or exc}{where}; "
                          "nothing was changed there") from None
     result.seconds = time.monotonic() - started
+    result.warnings = warnings
     return result
 
 
