@@ -238,3 +238,26 @@ def test_old_manifests_read_as_planned_at_t1() -> None:
     assert BuildOptions(**old).default_t == 1
     with pytest.raises(ValueError, match="outside t_range"):
         BuildOptions(**old, default_t=4, t_range=(1, 2))
+
+
+def test_probes_group_passes_by_width(coreml_standin, coreml_build, tmp_path) -> None:
+    """Defect 4: under reshapeFrequency Infrequent each input-shape switch may cost Core ML a
+    re-optimisation (minutes at Phi size). probe synthetic-t4 switches once (T=4 work, then
+    T=1), and the block gate once per shard; the doctor reports the counts per check."""
+    from ane_spec.probes.block import run_block
+    from ane_spec.probes.gates import open_pipeline
+    from ane_spec.probes.synthetic import build_synthetic_t4, probe_block
+    from ane_spec.runtime.coreml_backend import shape_switches
+
+    path, config, max_seq = build_synthetic_t4("tiny", tmp_path)
+    before = shape_switches()
+    report = probe_block(path, config, max_seq, "BCT1", make_backend("coreml"), "synthetic-t4")
+    assert report.passed and shape_switches() - before == 1
+    _, pipeline = open_pipeline(coreml_build[0], "coreml", "fp32")
+    before = shape_switches()
+    assert run_block(pipeline).passed
+    assert shape_switches() - before == len(pipeline.shards)
+    mixed = open_pipeline(coreml_build[0], "coreml", "fp32", decode_shape="mixed")[1]
+    before = shape_switches()
+    run_block(mixed)  # Frequent: Core ML expects the shape to change; nothing to count
+    assert shape_switches() == before
