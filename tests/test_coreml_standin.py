@@ -261,3 +261,33 @@ def test_probes_group_passes_by_width(coreml_standin, coreml_build, tmp_path) ->
     before = shape_switches()
     run_block(mixed)  # Frequent: Core ML expects the shape to change; nothing to count
     assert shape_switches() == before
+
+
+def test_every_value_crossing_into_core_ml_is_one_the_bridge_accepts(coreml_standin,
+                                                                    shard) -> None:
+    """The audit of issue 18: whatever the pipeline hands CoreMLProgram (float16 or float64,
+    read-only, reversed, broadcast views), what reaches the bridge is a writable float16 array
+    for predict (coremltools then upcasts it to float32) and a fresh float32 C-contiguous
+    whole-state copy for write_state; an unknown state name is our error, not Core ML's."""
+    from ane_spec.errors import AneSpecError
+
+    path, sha = shard
+    program = make_backend("coreml").load(path, sha256=sha)
+    state = program.make_state()
+    hostile = {}
+    for name, value in feed().items():
+        v = np.flip(value.astype(np.float64), axis=-1).copy()  # float64, then a reversed view
+        v = np.flip(v, axis=-1)
+        v.flags.writeable = False
+        hostile[name] = v
+    assert any(s < 0 for s in hostile["attn_mask"].strides)
+    with pytest.raises(RuntimeError):  # straight to the bridge, this is refused
+        program.model.predict(dict(hostile), state)
+    np.testing.assert_array_equal(program.predict(hostile, state)["hidden"],
+                                  make_backend("coreml").load(path, sha256=sha).predict(
+                                      feed(), program.make_state())["hidden"])
+    zeros = np.broadcast_to(np.float16(0), (1, 2, 64, 32))  # read-only, zero strides
+    program.write_state(state, "layer_0_k", zeros)
+    program.write_state(state, "layer_0_v", np.flip(program.read_state(state, "layer_0_v"), 2))
+    with pytest.raises(AneSpecError, match="no state 'layer_7_k'"):
+        program.write_state(state, "layer_7_k", zeros)
