@@ -41,11 +41,11 @@ ENV_FLAG = "ANE_SPEC_TEST_COREML_STANDIN"
 _macos: tuple[int, ...] = DEFAULT_MACOS
 
 
-def _need_macos(version: tuple[int, ...], what: str) -> None:
-    # The bridge's `if (@available(macOS X, *)) ... else throw std::runtime_error(...)` gates.
+def _need_macos(version: tuple[int, ...], message: str) -> None:
+    # The bridge's `if (@available(macOS X, *)) ... else throw std::runtime_error(message)`
+    # gates (CoreMLPython.mm), with the bridge's own messages.
     if _macos < version:
-        raise RuntimeError(f"{what} is only available on macOS >= "
-                           f"{'.'.join(map(str, version))}")
+        raise RuntimeError(message)
 
 
 # --- values crossing into Core ML ------------------------------------------------------------
@@ -179,9 +179,9 @@ class StandinState:
         return self.buffers[name]
 
     def read_state(self, name: str) -> np.ndarray:
-        # State::readState: _macOS 15 gate_, then convertArrayValueToPython(buffer): a float32
+        # State::readState: the macOS 15 gate, then convertArrayValueToPython(buffer): a float32
         # copy of the fp16 state.
-        _need_macos((15, 0), "Reading state")
+        _need_macos((15, 0), "Reading state is only available on macOS >= 15.0")
         return _array_to_python(self._buffer(name))
 
     def write_state(self, name: str, value: Any) -> None:
@@ -190,7 +190,7 @@ class StandinState:
         # state in models/model.py passes the value through untouched, no upcast); then
         # `transferToMultiArray:` into the state's buffer, which needs the whole state's shape
         # (Core ML raises an NSException otherwise) and converts to the state's fp16.
-        _need_macos((15, 0), "Writing state")
+        _need_macos((15, 0), "Writing state is only available on macOS >= 15.0")
         buffer = self._buffer(name)
         array = _array_from_python(value)
         if tuple(array.shape) != buffer.shape:
@@ -214,19 +214,17 @@ class StandinModel:
         _set_compute_unit(compute_units)
         _set_optimization_hints(optimization_hints)
         if function_name:
-            _need_macos((15, 0), "The 'functionName' property can only be set; it")
+            _need_macos((15, 0), "The 'functionName' property can only be set on macOS >= 15.0")
         self.compute_units = compute_units
         self.optimization_hints = dict(optimization_hints)
         function = function_name or "main"
         package = _source_package(compiled)
         self.description = _Description(package, function)
         self.interp = MILInterpreter.from_package(package, precision="fp16", function=function)
-        self.predictions = 0
-        self.shapes_seen: list[tuple] = []
 
     def newState(self) -> StandinState:  # noqa: N802 - the bridge's name
         # Model::newState: macOS 15 gate ("Stateful model is only available on macOS >= 15.0").
-        _need_macos((15, 0), "Stateful model")
+        _need_macos((15, 0), "Stateful model is only available on macOS >= 15.0")
         return StandinState(self)
 
     def predict(self, data: dict, state: StandinState | None = None) -> dict[str, np.ndarray]:
@@ -239,18 +237,19 @@ class StandinModel:
             features[key] = _array_from_python(value)
         self.description.check_inputs(features)
         if state is not None:
-            # predictionFromFeatures:usingState: needs macOS 15, and the state must be one this
-            # model made (newState), holding exactly the model's states.
-            _need_macos((15, 0), "Stateful predictions using MLState are only supported; it")
+            # predictionFromFeatures:usingState: needs macOS 15. The state must come from the
+            # model's newState; Core ML's own check is undocumented, so the stand-in checks only
+            # what it can: a stand-in state holding exactly this model's states.
+            _need_macos((15, 0), "Stateful predictions using MLState are only supported on "
+                        "macOS >= 15.0")
             if not isinstance(state, StandinState) or state.owner.description.states != (
                     self.description.states):
                 raise RuntimeError("The state was not created by this model (makeState).")
         elif self.description.states:
-            # A stateful model predicted without a state: Core ML refuses (MLModel.prediction
-            # (from:using:) is the only entry point for stateful models).
+            # A stateful model predicted without a state. Assumed refused (Apple documents
+            # prediction(from:using:) as the way to run stateful models; not verified here):
+            # stricter than Core ML at worst.
             raise RuntimeError("A stateful model needs a state (make_state) to predict.")
-        self.predictions += 1
-        self.shapes_seen.append(tuple(sorted((k, v.shape) for k, v in features.items())))
         # Core ML converts each input to its declared type (fp16 here) before running.
         out = self.interp.predict(features, None if state is None else state.buffers)
         # Utils::featuresToDict -> convertArrayValueToPython: fp16 outputs come back float32.
@@ -274,13 +273,13 @@ class StandinModel:
         # compiled model; the Python MLComputePlan is built around the proxy.
         from coremltools.models.compute_plan import MLComputePlan
 
-        _need_macos((14, 4), "MLComputePlan")
+        _need_macos((14, 4), "MLComputePlan is only available on macOS >= 14.4")
         _set_compute_unit(compute_units)
         return MLComputePlan(StandinComputePlan(_source_package(path)))
 
     @staticmethod
     def get_model_structure(path: str):
-        _need_macos((14, 4), "MLModelStructure")
+        _need_macos((14, 4), "MLModelStructure is only available on macOS >= 14.4")
         return _structure(_source_package(path))
 
     @staticmethod
@@ -294,7 +293,8 @@ def _set_compute_unit(compute_units: str) -> None:
     if compute_units not in COMPUTE_UNIT_NAMES:
         raise AssertionError(f"unknown compute units {compute_units!r}")
     if compute_units == "CPU_AND_NE":
-        _need_macos((13, 0), "MLComputeUnitsCPUAndNeuralEngine")
+        _need_macos((13, 0), "MLComputeUnitsCPUAndNeuralEngine is only available on "
+                    "macOS >= 13.0")
 
 
 def _set_optimization_hints(hints: dict) -> None:
@@ -310,7 +310,7 @@ def _set_optimization_hints(hints: dict) -> None:
         if not isinstance(value, str):  # `.cast<std::string>()` throws pybind11::cast_error
             raise RuntimeError(f"Unable to cast Python instance of type {type(value)} to C++ "
                                "type 'std::string'")
-        _need_macos((15, 0), f"Setting '{key}'")
+        _need_macos((15, 0), f"Setting '{key}' is only available on macOS >= 15.0")
         if value not in allowed[key]:
             raise AssertionError(f"unknown {key} value {value!r}")
 
