@@ -109,6 +109,11 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
                 "stop_type": stop_type(reason, word), "stopping_word": word or "",
                 "tokens_cached": use["total_tokens"], "timings": timings(stats, engine.context)}
 
+    async def shown_prompt(prompt: str | list[int]) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        return await anyio.to_thread.run_sync(engine.tokenizer.decode, prompt)
+
     @api.post("/completion")
     async def completion(request: Request) -> Response:
         return await complete(request, await request.json())
@@ -128,14 +133,14 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
             body = validated(CompletionRequest, fields | {
                 "prompt": prompt, "n_predict": native.n_predict, "stream": native.stream,
                 "stream_options": {"include_usage": True} if native.stream else None})
-            shown = prompt if isinstance(prompt, str) else await anyio.to_thread.run_sync(
-                engine.tokenizer.decode, prompt)
             if not native.stream:
                 data = await answer(generate, request, body, "completions")
+                shown = await shown_prompt(prompt)
                 choice = data["choices"][0]
                 return JSONResponse(final(native, choice["text"], choice["finish_reason"],
                                           data["ane_spec"], data["usage"], shown))
             events = await chunks(generate, request, body, "completions")
+            shown = await shown_prompt(prompt)  # the ids are valid: the handler took them
         except Failure as exc:
             return error(exc.status, exc.message)
 

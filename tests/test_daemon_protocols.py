@@ -1,0 +1,217 @@
+"""The other protocols clients speak, on one real uvicorn server on loopback: llama-server's
+native API (replays of Continue's llama.cpp provider and llama.vscode), the OpenAI routes under
+the paths clients use, llama-server's leniency, Ollama's API (the `ollama` client) and OpenAI's
+Responses API (the `openai` client).
+
+Each adapter turns its request into one /v1 request, so its output is checked against the same
+request on /v1 with speculation off: token-identical text.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ane_spec.daemon.config import ServeConfig
+from tests.live_server import started
+
+PROMPT = "Once upon a time"
+ASK = [{"role": "user", "content": "weather in Paris?"}]
+PLAIN = {"ane_spec": {"speculative": False}}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_build_512: Path):
+    srv = started(ServeConfig(manifest=tiny_build_512, port=0, backend="mil", precision="fp32",
+                              log_level="warning", access_log=False))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def url(server) -> str:
+    return server.url
+
+
+def v1_text(url: str, prompt: str | list[int], n: int, **kw) -> str:
+    """The reference: /v1/completions, speculation off."""
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": n, **PLAIN,
+                                                   **kw}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def sse_data(response: httpx.Response) -> list[dict]:
+    """What Continue's streamSse does: every `data:` line, parsed."""
+    return [json.loads(line[5:]) for line in response.iter_lines() if line.startswith("data:")]
+
+
+def tokenize(url: str, text: str, add_special: bool = False) -> list[int]:
+    return httpx.post(f"{url}/tokenize", json={"content": text,
+                                               "add_special": add_special}).json()["tokens"]
+
+
+# --- llama-server's native API ----------------------------------------------------------------
+
+def test_continue_llama_cpp_provider_replay(url) -> None:
+    """core/llm/llms/LlamaCpp.ts: POST new URL("completion", apiBase) with `prompt`,
+    `stream: true` and _convertArgs' fields (undefined ones dropped by JSON.stringify), then
+    yields `content` of every SSE chunk that has one."""
+    body = {"prompt": PROMPT, "stream": True, "n_predict": 20, "frequency_penalty": 0,
+            "presence_penalty": 0, "min_p": 0, "mirostat": 0, "stop": ["<|end|>", "\n\n\n"],
+            "top_k": 40, "top_p": 0.95, "temperature": 0}
+    with httpx.stream("POST", f"{url}/completion", json=body, headers={
+            "Authorization": "Bearer undefined"}, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        chunks = sse_data(r)
+    text = "".join(c["content"] for c in chunks if c.get("content"))
+    *partials, last = chunks
+    assert all(c["stop"] is False for c in partials) and last["stop"] is True
+    assert last["content"] == "" and last["tokens_predicted"] <= 20
+    assert last["stop_type"] in ("limit", "eos", "word")
+    assert last["timings"]["predicted_n"] == last["tokens_predicted"]
+    assert last["tokens_evaluated"] == len(tokenize(url, PROMPT, add_special=True))
+    ref = v1_text(url, PROMPT, 20, stop=body["stop"], top_k=40, top_p=0.95)
+    assert text == ref and text
+    # the same request unstreamed: one JSON answer with the same content
+    r = httpx.post(f"{url}/completion", json=body | {"stream": False}, timeout=120).json()
+    assert r["content"] == text and r["stop"] is True and r["model"]
+
+
+def test_completion_prompts_limits_and_stop_words(url) -> None:
+    ids = tokenize(url, PROMPT, add_special=True)
+    by_ids = httpx.post(f"{url}/completion", json={"prompt": ids, "n_predict": 8},
+                        timeout=120).json()
+    assert by_ids["content"] == v1_text(url, PROMPT, 8) and by_ids["tokens_evaluated"] == len(ids)
+    # a mix of ids and text: the text is tokenized in place (no BOS: it does not come first)
+    mixed = ids + [" there"]
+    r = httpx.post(f"{url}/completion", json={"prompt": mixed, "n_predict": 8},
+                   timeout=120).json()
+    whole = ids + tokenize(url, " there")
+    assert r["tokens_evaluated"] == len(whole) and r["content"] == v1_text(url, whole, 8)
+    # a stop string the output reaches: cut before it, stop_type "word"
+    free = v1_text(url, PROMPT, 16)
+    word = free[6:9]
+    assert word and word not in free[:6]
+    r = httpx.post(f"{url}/completion", json={"prompt": PROMPT, "n_predict": 16,
+                                              "stop": [word]}, timeout=120).json()
+    assert r["content"] == free[:free.index(word)]
+    assert (r["stop_type"], r["stopping_word"]) == ("word", word)
+    # n_predict -1 (the default): the rest of the context; EOS banned so it fills it
+    eog = httpx.get(f"{url}/props").json()["eos_token"]
+    eos = tokenize(url, eog)
+    long_prompt = ids * (490 // len(ids))
+    r = httpx.post(f"{url}/completion", json={
+        "prompt": long_prompt, "logit_bias": [[eos[0], False]]}, timeout=120).json()
+    assert r["tokens_predicted"] == 512 - len(long_prompt) and r["stop_type"] == "limit"
+
+
+def test_completion_grammar_and_json_schema(url) -> None:
+    r = httpx.post(f"{url}/completion", json={
+        "prompt": PROMPT, "grammar": 'root ::= "yes" | "no"', "n_predict": 8},
+        timeout=120).json()
+    assert r["content"] in ("yes", "no") and r["stop_type"] == "eos"
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    r = httpx.post(f"{url}/completion", json={
+        "prompt": PROMPT, "json_schema": schema, "n_predict": 60}, timeout=120).json()
+    if r["stop_type"] == "eos":
+        assert isinstance(json.loads(r["content"])["n"], int)
+
+
+def test_completion_errors_in_llama_servers_shape(url) -> None:
+    for body, words in [({"prompt": []}, "prompt"), ({"prompt": ["a", "b"]}, "one prompt"),
+                        ({"prompt": "x", "n_predict": -5}, "n_predict"),
+                        ({"prompt": "x", "mirostat": 2}, "mirostat"),
+                        ({"prompt": [10**9]}, "outside the vocabulary"),
+                        ({"prompt": "x", "grammar": "root ::= [", "n_predict": 2}, "grammar")]:
+        r = httpx.post(f"{url}/completion", json=body)
+        assert r.status_code == 400, (body, r.text)
+        error = r.json()["error"]
+        assert error["code"] == 400 and error["type"] == "invalid_request_error"
+        assert words in error["message"], (body, error)
+
+
+def test_llama_vscode_replay(url) -> None:
+    """src/llama-server.ts: FIM goes to /infill (createRequestPayload), which a model without
+    FIM tokens answers with llama-server's own 501; chat edits go to /v1/chat/completions
+    (createChatEditRequestPayload) with llama.cpp's neutral sampler fields and max_tokens -1."""
+    fim = {"input_prefix": "def add(a, b):\n    ", "input_suffix": "\n", "input_extra": [
+        {"text": "import os\n", "filename": "util.py"}], "prompt": "", "n_predict": 128,
+        "top_k": 40, "top_p": 0.99, "stream": False, "samplers": ["top_k", "top_p", "infill"],
+        "cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": 1000}
+    r = httpx.post(f"{url}/infill", json=fim)
+    assert r.status_code == 501
+    assert r.json() == {"error": {"code": 501, "type": "not_supported_error", "message": (
+        "Infill is not supported by this model: prefix token is missing. suffix token is "
+        "missing. middle token is missing. ")}}
+    edit = {"messages": [{"role": "system", "content": "You are an expert coder."},
+                         {"role": "user", "content": "rename x to y: x = 1"}],
+            "stream": False, "cache_prompt": True, "samplers": "edkypmxt", "temperature": 0.8,
+            "dynatemp_range": 0, "dynatemp_exponent": 1, "top_k": 40, "top_p": 0.95,
+            "min_p": 0.05, "typical_p": 1, "xtc_probability": 0, "xtc_threshold": 0.1,
+            "repeat_last_n": 64, "repeat_penalty": 1, "presence_penalty": 0,
+            "frequency_penalty": 0, "dry_multiplier": 0, "dry_base": 1.75,
+            "dry_allowed_length": 2, "dry_penalty_last_n": -1, "max_tokens": -1,
+            "timings_per_token": False, "seed": 3, "logit_bias": [[0, False]]}
+    r = httpx.post(f"{url}/v1/chat/completions", json=edit, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] in ("stop", "length") and choice["message"]["content"]
+
+
+def test_apply_template(url) -> None:
+    r = httpx.post(f"{url}/apply-template", json={"messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]})
+    assert r.json() == {"prompt": "<|system|>Be brief.<|end|><|user|>hi<|end|><|assistant|>"}
+    assert httpx.post(f"{url}/apply-template", json={"messages": []}).status_code == 400
+
+
+# --- paths and leniency -----------------------------------------------------------------------
+
+def test_paths_without_v1_and_with_a_trailing_slash(url) -> None:
+    chat = {"messages": ASK, "max_tokens": 4, **PLAIN}
+    ref = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60).json()
+    for path in ("/chat/completions", "/chat/completions/", "/v1/chat/completions/"):
+        r = httpx.post(f"{url}{path}", json=chat, timeout=60)
+        assert r.status_code == 200, (path, r.status_code)
+        assert r.json()["choices"] == ref["choices"]
+    for path in ("/completions", "/completions/", "/v1/completions/", "/completion/"):
+        r = httpx.post(f"{url}{path}", json={"prompt": PROMPT, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200, path
+    for path in ("/models", "/models/", "/v1/models/", "/v1/health", "/v1/health/",
+                 "/health/"):
+        assert httpx.get(f"{url}{path}").status_code == 200, path
+    model = httpx.get(f"{url}/models").json()["data"][0]["id"]
+    assert httpx.get(f"{url}/models/{model}").json()["id"] == model
+
+
+def test_llama_server_leniency(url) -> None:
+    chat = f"{url}/v1/chat/completions"
+    greedy = httpx.post(chat, json={"messages": ASK, "max_tokens": 12, **PLAIN},
+                        timeout=60).json()["choices"][0]["message"]["content"]
+    # top_p 0: llama.cpp keeps one token, the most likely: greedy, whatever the temperature
+    r = httpx.post(chat, json={"messages": ASK, "max_tokens": 12, "top_p": 0,
+                               "temperature": 1.5, "seed": 9}, timeout=60).json()
+    assert r["choices"][0]["message"]["content"] == greedy
+    # any number of stop strings: one of 3000 is the text's first word
+    word = greedy[2:5]
+    stops = [f"never{i}" for i in range(3000)] + [word]
+    r = httpx.post(chat, json={"messages": ASK, "max_tokens": 12, "stop": stops}, timeout=60)
+    assert r.json()["choices"][0]["message"]["content"] == greedy[:greedy.index(word)]
+    assert r.json()["ane_spec"]["stop_word"] == word
+    # max_tokens -1 / max_completion_tokens -1: the rest of the context
+    n = httpx.post(chat, json={"messages": ASK, "max_tokens": -1, "top_p": 0, "stop": [
+        greedy[-3:]]}, timeout=120).json()["usage"]["completion_tokens"]
+    assert n >= 1
+    r = httpx.post(chat, json={"messages": ASK, "max_tokens": 0})
+    assert r.status_code == 400 and "-1 for the rest of the context" in r.text
+    # mirostat 0 is accepted; 1 and 2 are refused by name
+    assert httpx.post(chat, json={"messages": ASK, "max_tokens": 1, "mirostat": 0,
+                                  "mirostat_tau": 5, "mirostat_eta": 0.1}).status_code == 200
+    for mode in (1, 2):
+        r = httpx.post(chat, json={"messages": ASK, "max_tokens": 1, "mirostat": mode})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "mirostat"
+        assert "mirostat 1 and 2 are not implemented" in r.json()["error"]["message"]
