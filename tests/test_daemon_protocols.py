@@ -215,3 +215,109 @@ def test_llama_server_leniency(url) -> None:
         r = httpx.post(chat, json={"messages": ASK, "max_tokens": 1, "mirostat": mode})
         assert r.status_code == 400 and r.json()["error"]["param"] == "mirostat"
         assert "mirostat 1 and 2 are not implemented" in r.json()["error"]["message"]
+
+
+# --- Ollama ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ollama_client(url):
+    ollama = pytest.importorskip("ollama", reason="the ollama client is not installed")
+    return ollama.Client(host=url)
+
+
+def v1_chat(url: str, **kw) -> dict:
+    """The reference: /v1/chat/completions, speculation off."""
+    r = httpx.post(f"{url}/v1/chat/completions", json={**kw, **PLAIN}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_ollama_models_and_version(ollama_client, url) -> None:
+    (model,) = ollama_client.list().models
+    assert model.model.endswith(":latest") and model.details.family == "phi3"
+    shown = ollama_client.show(model.model)
+    assert "tools" in shown.capabilities and shown.template
+    assert httpx.get(f"{url}/api/version").json()["version"]
+    import ollama
+
+    with pytest.raises(ollama.ResponseError) as info:
+        ollama_client.show("llama3:8b")
+    assert info.value.status_code == 404 and "not found" in info.value.error
+
+
+def test_ollama_chat_streamed_and_not(ollama_client, url) -> None:
+    options = {"num_predict": 16, "temperature": 0, "top_k": 40, "repeat_penalty": 1.1,
+               "num_ctx": 4096, "mirostat": 0}
+    r = ollama_client.chat(model="phi4-mini", messages=ASK, options=options, keep_alive="5m")
+    ref = v1_chat(url, messages=ASK, max_tokens=16, top_k=40, repeat_penalty=1.1)
+    assert r.message.content == ref["choices"][0]["message"]["content"] and r.done
+    assert r.done_reason == ("length" if ref["choices"][0]["finish_reason"] == "length"
+                             else "stop")
+    assert r.eval_count == ref["usage"]["completion_tokens"]
+    assert r.prompt_eval_count == ref["usage"]["prompt_tokens"] and r.total_duration > 0
+    parts = list(ollama_client.chat(model="phi4-mini", messages=ASK, options=options,
+                                    stream=True))
+    assert "".join(p.message.content for p in parts) == r.message.content
+    assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True]
+    assert parts[-1].eval_count == r.eval_count
+    import ollama
+
+    with pytest.raises(ollama.ResponseError) as info:
+        ollama_client.chat(model="m", messages=ASK, options={"mirostat": 2})
+    assert info.value.status_code == 400 and "mirostat" in info.value.error
+    with pytest.raises(ollama.ResponseError) as info:
+        ollama_client.chat(model="m", messages=[{"role": "user", "content": "x",
+                                                 "images": ["aGVsbG8="]}])
+    assert "image inputs are not supported" in info.value.error
+
+
+def test_ollama_format_and_tools(ollama_client, url) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                               "days": {"type": "integer"}},
+              "required": ["city", "days"]}
+    r = ollama_client.chat(model="m", messages=ASK, format=schema,
+                           options={"num_predict": 60})
+    if r.done_reason == "stop":
+        value = json.loads(r.message.content)
+        assert set(value) == {"city", "days"} and abs(value["days"]) < 10**16
+    r = ollama_client.chat(model="m", messages=ASK, format="json", options={"num_predict": 40})
+    if r.done_reason == "stop":
+        assert isinstance(json.loads(r.message.content), dict)
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "weather",
+            "parameters": {"type": "object", "properties": {"city": {
+                "type": "string", "pattern": "^[a-z]{1,8}$"}}, "required": ["city"]}}}
+    ref = v1_chat(url, messages=ASK, tools=[tool], tool_choice="auto", max_tokens=60)
+    r = ollama_client.chat(model="m", messages=ASK, tools=[tool], options={"num_predict": 60})
+    calls = ref["choices"][0]["message"].get("tool_calls") or []
+    assert [(c.function.name, dict(c.function.arguments)) for c in r.message.tool_calls or []] \
+        == [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+    streamed = list(ollama_client.chat(model="m", messages=ASK, tools=[tool], stream=True,
+                                       options={"num_predict": 60}))
+    streamed_calls = [c for p in streamed for c in p.message.tool_calls or []]
+    assert [(c.function.name, dict(c.function.arguments)) for c in streamed_calls] == \
+        [(c.function.name, dict(c.function.arguments)) for c in r.message.tool_calls or []]
+    # a call's result goes back as a tool message
+    if r.message.tool_calls:
+        history = ASK + [r.message, {"role": "tool", "content": '{"temp_c": 21}',
+                                     "tool_name": "get_weather"}]
+        final = ollama_client.chat(model="m", messages=history, options={"num_predict": 8})
+        assert final.done
+
+
+def test_ollama_generate(ollama_client, url) -> None:
+    r = ollama_client.generate(model="m", prompt="hi", system="Be brief.",
+                               options={"num_predict": 10})
+    ref = v1_chat(url, messages=[{"role": "system", "content": "Be brief."},
+                                 {"role": "user", "content": "hi"}], max_tokens=10)
+    assert r.response == ref["choices"][0]["message"]["content"] and r.done
+    raw = ollama_client.generate(model="m", prompt=PROMPT, raw=True, options={"num_predict": 8})
+    assert raw.response == v1_text(url, PROMPT, 8)
+    parts = list(ollama_client.generate(model="m", prompt=PROMPT, raw=True, stream=True,
+                                        options={"num_predict": 8}))
+    assert "".join(p.response for p in parts) == raw.response and parts[-1].done
+    assert ollama_client.generate(model="m", prompt="").done_reason == "load"
+    import ollama
+
+    with pytest.raises(ollama.ResponseError) as info:
+        ollama_client.generate(model="m", prompt="x", suffix="y")
+    assert info.value.status_code == 400 and "suffix" in info.value.error
