@@ -5,7 +5,8 @@ goes back as Ollama's JSON, or as its NDJSON stream (the default, as in Ollama).
 
 Mapped: `options` (num_predict, temperature, top_k, top_p, min_p, seed, stop, repeat_penalty,
 repeat_last_n, presence_penalty, frequency_penalty; mirostat and the other llama.cpp samplers
-as on /v1: accepted at their neutral value, refused by name otherwise), `format` ("json" or a
+as on /v1: accepted at their neutral value, refused by name otherwise; and llama.cpp's
+`logit_bias`, which Ollama lacks), `format` ("json" or a
 JSON schema), `tools` (calls come back with `arguments` as an object, as Ollama sends them),
 `raw` on /api/generate (the prompt as it is, no chat template). Accepted and ignored: the model
 name (this server serves one model), `keep_alive` (the model stays loaded), and the options
@@ -39,7 +40,8 @@ NDJSON = "application/x-ndjson"
 # options passed to the /v1 request under the same name
 SAME_NAME = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "repeat_penalty",
              "repeat_last_n", "presence_penalty", "frequency_penalty", "mirostat",
-             "mirostat_tau", "mirostat_eta", "typical_p", "tfs_z")
+             "mirostat_tau", "mirostat_eta", "typical_p", "tfs_z",
+             "logit_bias")  # not Ollama's: llama.cpp's, as on /v1
 
 
 class Options(BaseModel):
