@@ -329,3 +329,106 @@ def test_ollama_generate(ollama_client, url) -> None:
     with pytest.raises(ollama.ResponseError) as info:
         ollama_client.generate(model="m", prompt="x", suffix="y")
     assert info.value.status_code == 400 and "suffix" in info.value.error
+
+
+# --- OpenAI's Responses API --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def openai_client(url):
+    openai = pytest.importorskip("openai", reason="the openai client is not installed")
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def test_responses_text_and_stream(openai_client, url) -> None:
+    kw = dict(model="m", instructions="Be brief.", input="weather in Paris?",
+              max_output_tokens=12)
+    r = openai_client.responses.create(**kw)
+    ref = v1_chat(url, messages=[{"role": "system", "content": "Be brief."}, *ASK],
+                  max_tokens=12)
+    assert r.output_text == ref["choices"][0]["message"]["content"]
+    assert r.usage.output_tokens == ref["usage"]["completion_tokens"]
+    finished = ref["choices"][0]["finish_reason"] != "length"
+    assert r.status == ("completed" if finished else "incomplete")
+    if not finished:
+        assert r.incomplete_details.reason == "max_output_tokens"
+    # streamed: typed events whose deltas add up to the same text
+    events = list(openai_client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == f"response.{r.status}"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") \
+        == r.output_text
+    # the SDK's stream helper (it needs response.completed: ask for a short answer that ends)
+    with openai_client.responses.stream(model="m", input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "weather in Paris?"}]}],
+            max_output_tokens=400) as s:
+        texts = [e.delta for e in s if e.type == "response.output_text.delta"]
+        final = s.get_final_response()
+    assert final.output_text == "".join(texts) and final.status == "completed"
+
+
+def test_responses_function_tools(openai_client, url) -> None:
+    tool = {"type": "function", "name": "get_weather", "description": "weather",
+            "parameters": {"type": "object", "properties": {"city": {
+                "type": "string", "pattern": "^[a-z]{1,8}$"}}, "required": ["city"],
+                "additionalProperties": False}, "strict": True}
+    r = openai_client.responses.create(model="m", input="weather in Paris?", tools=[tool],
+                                       tool_choice={"type": "function", "name": "get_weather"},
+                                       max_output_tokens=60)
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    args = json.loads(call.arguments)
+    assert set(args) == {"city"} and args["city"].isalpha()
+    ref = v1_chat(url, messages=ASK, tools=[{"type": "function", "function": {
+        k: tool[k] for k in ("name", "description", "parameters", "strict")}}],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=60)
+    assert ref["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == \
+        call.arguments
+    with openai_client.responses.stream(model="m", input="weather in Paris?", tools=[tool],
+                                        tool_choice="required", parallel_tool_calls=False,
+                                        max_output_tokens=60) as s:
+        deltas = [e.delta for e in s if e.type == "response.function_call_arguments.delta"]
+        final = s.get_final_response()
+    (streamed,) = [o for o in final.output if o.type == "function_call"]
+    assert "".join(deltas) == streamed.arguments and json.loads(streamed.arguments)
+    # the result goes back as a function_call_output item; the model answers in text
+    answer = openai_client.responses.create(model="m", tools=[tool], tool_choice="none",
+                                            max_output_tokens=8, input=[
+        {"role": "user", "content": "weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp_c": 21}'}])
+    assert not [o for o in answer.output if o.type == "function_call"]
+    ref = v1_chat(url, tools=[{"type": "function", "function": {
+        k: tool[k] for k in ("name", "description", "parameters")}}], tool_choice="none",
+        max_tokens=8, messages=ASK + [
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": call.call_id, "type": "function", "function": {
+                    "name": call.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": '{"temp_c": 21}'}])
+    assert answer.usage.input_tokens == ref["usage"]["prompt_tokens"]
+    assert answer.output_text == (ref["choices"][0]["message"]["content"] or "")
+
+
+def test_responses_json_schema_and_refusals(openai_client) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = openai_client.responses.create(model="m", input="a person", max_output_tokens=60,
+                                       text={"format": {"type": "json_schema",
+                                                        "name": "person", "schema": schema,
+                                                        "strict": True}})
+    if r.status == "completed":
+        person = json.loads(r.output_text)
+        assert set(person) == {"name", "age"} and abs(person["age"]) < 10**16
+    import openai
+
+    for kw, param in [({"previous_response_id": "resp_1"}, "previous_response_id"),
+                      ({"tools": [{"type": "web_search"}]}, "tools"),
+                      ({"input": [{"role": "user", "content": [
+                          {"type": "input_image", "image_url": "http://x/y.png"}]}]},
+                       "input[0]")]:
+        with pytest.raises(openai.BadRequestError) as info:
+            openai_client.responses.create(**{"model": "m", "input": "x", **kw})
+        assert info.value.body["param"] == param, info.value.body

@@ -31,7 +31,7 @@ from ane_spec import __version__
 from ane_spec.model.chat import PHI4_MINI_CHAT_TEMPLATE
 from ane_spec.daemon.config import ServeConfig, host_name
 from ane_spec.daemon.draft_scopes import scope_of
-from ane_spec.daemon import llama_server_api, ollama_api
+from ane_spec.daemon import llama_server_api, ollama_api, responses_api
 from ane_spec.daemon.engine import Engine, Job, NotReady, QueueFull, SlotAction, WorkItem
 from ane_spec.daemon.metrics import CONTENT_TYPE
 from ane_spec.daemon.path_aliases import PathAliases
@@ -777,6 +777,7 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
     # The other protocols: thin adapters over `generate` (see relay.py).
     app.include_router(llama_server_api.router(engine, generate))
     app.include_router(ollama_api.router(engine, generate))
+    app.include_router(responses_api.router(engine, generate))
 
     return app
 
