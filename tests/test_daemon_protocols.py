@@ -162,6 +162,30 @@ def test_llama_vscode_replay(url) -> None:
     assert choice["finish_reason"] in ("stop", "length") and choice["message"]["content"]
 
 
+def test_infill_prompt_for_a_vocabulary_with_fim_tokens() -> None:
+    """What /infill sends to the model when the vocabulary has FIM tokens, as llama-server's
+    format_prompt_infill builds it (Phi-4-mini has none: the server test above gets the 501)."""
+    from ane_spec.daemon.llama_server_api import SNIPPET, fim_tokens, infill_prompt
+    from ane_spec.daemon.relay import Failure
+    from ane_spec.model.tokenizer import TOKEN_CONTROL, Tokenizer
+    from ane_spec.model.vocab import build_synthetic_vocab
+
+    data = build_synthetic_vocab(1024)
+    assert fim_tokens(Tokenizer(data)) is None
+    tokens, types = list(data.tokens), list(data.token_types)
+    for i, name in zip((960, 961, 962), ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")):
+        tokens[i], types[i] = name, TOKEN_CONTROL
+    tok = Tokenizer(data.model_copy(update={"tokens": tokens, "token_types": types}))
+    assert fim_tokens(tok) == (960, 961, 962)
+    ids = infill_prompt(tok, (960, 961, 962), {
+        "input_prefix": "def f(", "input_suffix": "\n", "prompt": "a",
+        "input_extra": [{"filename": "x.py", "text": "import os"}]})
+    assert ids == (tok.encode(SNIPPET) + tok.encode("import os") + [960] + tok.encode("def f(")
+                   + tok.encode("a") + [961] + tok.encode("\n") + [962])
+    with pytest.raises(Failure):
+        infill_prompt(tok, (960, 961, 962), {"input_prefix": 5})
+
+
 def test_apply_template(url) -> None:
     r = httpx.post(f"{url}/apply-template", json={"messages": [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]})

@@ -14,6 +14,10 @@
   "word", "limit"), `stopping_word`, `timings`. Streamed as SSE `data:` chunks carrying
   `content` and `stop: false`, then a final chunk with `stop: true` and the totals.
 
+/infill: a vocabulary without FIM tokens (Phi-4-mini's) gets llama-server's 501, word for
+word; one with them gets llama-server's prefix-suffix-middle prompt (no repo-level file
+separators) completed like /completion.
+
 Departures: `n_predict: 0` still generates one token (llama-server only evaluates the prompt);
 `n_probs` is refused (ask /v1/completions for `logprobs`); `id_slot` in the answer is -1 unless
 the client named one.
@@ -31,6 +35,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ane_spec.daemon.engine import Engine
 from ane_spec.daemon.protocol import ChatCompletionRequest, CompletionRequest, dumps
 from ane_spec.daemon.relay import Failure, Generate, answer, chunks, validated
+from ane_spec.model.tokenizer import Tokenizer
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # llama-server's error types by status (utils.hpp, format_error_response).
@@ -82,6 +87,44 @@ def stop_type(finish_reason: str | None, stop_word: str | None) -> str:
     if finish_reason == "length":
         return "limit"
     return "word" if stop_word is not None else "eos"
+
+
+def fim_tokens(tok: Tokenizer) -> tuple[int, int, int] | None:
+    """The vocabulary's (prefix, suffix, middle) FIM tokens, found by text as llama.cpp does
+    when the GGUF does not name them."""
+    for names in FIM_TOKENS:
+        ids = tuple(tok.id_of(n) for n in names)
+        if None not in ids:
+            return ids  # type: ignore[return-value]
+    return None
+
+
+# "\n\n--- snippet ---\n\n": llama-server's separator before each input_extra chunk when the
+# vocabulary has no FIM file-separator token.
+SNIPPET = "\n\n--- snippet ---\n\n"
+
+
+def infill_prompt(tok: Tokenizer, fim: tuple[int, int, int], raw: Any) -> list[int]:
+    """llama-server's prefix-suffix-middle prompt (format_prompt_infill): the input_extra
+    chunks, [BOS], <PRE> prefix + prompt, <SUF> suffix, <MID>; text tokenized without special
+    tokens."""
+    if not isinstance(raw, dict):
+        raise Failure(400, "the request body must be a JSON object")
+    parts = {k: raw.get(k, "") for k in ("input_prefix", "input_suffix", "prompt")}
+    extra = raw.get("input_extra") or []
+    if not all(isinstance(v, str) for v in parts.values()):
+        raise Failure(400, "input_prefix, input_suffix and prompt must be strings")
+    if not isinstance(extra, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("text", ""), str) for c in extra):
+        raise Failure(400, "input_extra must be a list of {\"text\", \"filename\"} objects")
+    ids: list[int] = []
+    for chunk in extra:
+        ids += tok.encode(SNIPPET) + tok.encode(chunk.get("text", ""))
+    if tok.data.add_bos_token and tok.bos_token_id is not None:
+        ids.append(tok.bos_token_id)
+    pre, suf, mid = fim
+    return (ids + [pre] + tok.encode(parts["input_prefix"]) + tok.encode(parts["prompt"])
+            + [suf] + tok.encode(parts["input_suffix"]) + [mid])
 
 
 def router(engine: Engine, generate: Generate) -> APIRouter:
@@ -186,35 +229,16 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
 
     @api.post("/infill")
     async def infill(request: Request) -> Response:
-        tok = engine.tokenizer
-        for names in FIM_TOKENS:
-            if all(tok.id_of(n) is not None for n in names):
-                break
-        else:  # llama-server's answer for a vocabulary without FIM tokens, word for word
+        fim = fim_tokens(engine.tokenizer)
+        if fim is None:  # llama-server's answer for a vocabulary without FIM tokens, verbatim
             return error(501, "Infill is not supported by this model: prefix token is missing. "
                               "suffix token is missing. middle token is missing. ")
-        return await fill_in_the_middle(request, names)
-
-    async def fill_in_the_middle(request: Request, names: tuple[str, str, str]) -> Response:
-        """llama-server's default (prefix-suffix-middle) infill prompt, as a mixed prompt:
-        <PRE>{extra}{prefix}<SUF>{suffix}<MID>{prompt}."""
         raw = await request.json()
-        if not isinstance(raw, dict):
-            return error(400, "the request body must be a JSON object")
-        parts = {k: raw.get(k, "") for k in ("input_prefix", "input_suffix", "prompt")}
-        if not all(isinstance(v, str) for v in parts.values()):
-            return error(400, "input_prefix, input_suffix and prompt must be strings")
-        extra = "".join(f"{c.get('filename', '')}\n{c.get('text', '')}"
-                        for c in raw.get("input_extra") or [] if isinstance(c, dict))
-        ids = [tok_id(names[0])] + engine.tokenizer.encode(extra + parts["input_prefix"]) \
-            + [tok_id(names[1])] + engine.tokenizer.encode(parts["input_suffix"]) \
-            + [tok_id(names[2])] + engine.tokenizer.encode(parts["prompt"])
+        try:
+            ids = await anyio.to_thread.run_sync(infill_prompt, engine.tokenizer, fim, raw)
+        except Failure as exc:
+            return error(exc.status, exc.message)
         return await complete(request, {k: v for k, v in raw.items() if k not in (
             "input_prefix", "input_suffix", "input_extra")} | {"prompt": ids})
-
-    def tok_id(name: str) -> int:
-        token = engine.tokenizer.id_of(name)
-        assert token is not None
-        return token
 
     return api
