@@ -193,6 +193,40 @@ def test_apply_template(url) -> None:
     assert httpx.post(f"{url}/apply-template", json={"messages": []}).status_code == 400
 
 
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/completion", {"prompt": PROMPT, "stream": True}),
+    ("/api/chat", {"messages": ASK, "options": {}}),
+    ("/api/generate", {"prompt": PROMPT, "raw": True}),
+    ("/v1/responses", {"input": "weather in Paris?", "stream": True}),
+])
+def test_a_dropped_stream_cancels_its_generation(url, path, body) -> None:
+    """Every adapter's stream, dropped after its first line, cancels the generation (which would
+    otherwise run to the end of the context: EOS is banned)."""
+    import time
+
+    eos = tokenize(url, httpx.get(f"{url}/props").json()["eos_token"])[0]
+    bias = {"logit_bias": {str(eos): -100}}
+    body = body | ({"options": {"logit_bias": {str(eos): -100}}} if path.startswith("/api")
+                   else bias)
+    cancelled = 'ane_spec_generations_total{finish_reason="cancelled"}'
+    before = metric(url, cancelled)
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if "content" in line or "delta" in line
+             or "response" in line)
+    deadline = time.monotonic() + 30
+    while metric(url, cancelled) != before + 1 or httpx.get(f"{url}/health").json()["busy"]:
+        assert time.monotonic() < deadline, "the generation was not cancelled"
+        time.sleep(0.02)
+
+
 # --- paths and leniency -----------------------------------------------------------------------
 
 def test_paths_without_v1_and_with_a_trailing_slash(url) -> None:
