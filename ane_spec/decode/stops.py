@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
+from os.path import commonprefix
 
 
 class StopMatcher:
@@ -55,7 +56,7 @@ class StopMatcher:
             candidate = self.stops[hi - 1]
             if text.startswith(candidate):
                 return candidate
-            shared = _common_prefix(candidate, text)
+            shared = len(commonprefix([candidate, text]))
             if shared == 0:
                 return None
             text = text[:shared]
@@ -72,11 +73,3 @@ class StopMatcher:
                 return len(self.held) - start
         return 0
 
-
-def _common_prefix(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
