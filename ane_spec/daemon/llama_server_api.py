@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ane_spec.daemon.engine import Engine
 from ane_spec.daemon.protocol import ChatCompletionRequest, CompletionRequest, dumps
-from ane_spec.daemon.relay import Failure, Generate, answer, chunks, validated
+from ane_spec.daemon.relay import Failure, Generate, answer, chunks, json_body, validated
 from ane_spec.model.tokenizer import Tokenizer
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -159,7 +159,11 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
 
     @api.post("/completion")
     async def completion(request: Request) -> Response:
-        return await complete(request, await request.json())
+        try:
+            raw = await json_body(request)
+        except Failure as exc:
+            return error(exc.status, exc.message)
+        return await complete(request, raw)
 
     async def complete(request: Request, raw: Any) -> Response:
         try:
@@ -213,7 +217,7 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
         from ane_spec.model.chat import render_chat
 
         try:
-            body = validated(ChatCompletionRequest, await request.json())
+            body = validated(ChatCompletionRequest, await json_body(request))
             messages = template_messages(body.messages, body.tools if body.uses_tools else None,
                                          engine.grammars.limits)
             tok = engine.tokenizer
@@ -233,8 +237,8 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
         if fim is None:  # llama-server's answer for a vocabulary without FIM tokens, verbatim
             return error(501, "Infill is not supported by this model: prefix token is missing. "
                               "suffix token is missing. middle token is missing. ")
-        raw = await request.json()
         try:
+            raw = await json_body(request)
             ids = await anyio.to_thread.run_sync(infill_prompt, engine.tokenizer, fim, raw)
         except Failure as exc:
             return error(exc.status, exc.message)

@@ -33,7 +33,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ane_spec import __version__
 from ane_spec.daemon.engine import Engine
 from ane_spec.daemon.protocol import ChatCompletionRequest, CompletionRequest
-from ane_spec.daemon.relay import Body, Failure, Generate, answer, chunks, ndjson, validated
+from ane_spec.daemon.relay import (
+    Body, Failure, Generate, answer, chunks, json_body, ndjson, validated,
+)
 
 OLLAMA_VERSION = "0.12.0"  # the API version this adapter follows
 NDJSON = "application/x-ndjson"
@@ -50,13 +52,26 @@ class Options(BaseModel):
     num_predict: int | None = Field(None, ge=-2)  # -1: no limit, -2: fill the context
 
 
+class OllamaFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str
+    arguments: dict[str, Any] = {}
+
+
+class OllamaToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    function: OllamaFunction
+
+
 class OllamaMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: str
     content: str | None = ""
     images: list[Any] | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[OllamaToolCall] | None = None
     tool_name: str | None = None
     thinking: str | None = None
 
@@ -145,8 +160,7 @@ def _openai_messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
         if m.tool_calls:
             message["tool_calls"] = [{
                 "id": f"call_{i}_{k}", "type": "function", "function": {
-                    "name": c.get("function", {}).get("name", ""),
-                    "arguments": json.dumps(c.get("function", {}).get("arguments", {}))}}
+                    "name": c.function.name, "arguments": json.dumps(c.function.arguments)}}
                 for k, c in enumerate(m.tool_calls)]
         if m.role == "tool" and m.tool_name:
             message["name"] = m.tool_name
@@ -210,7 +224,10 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
 
     @api.post("/api/show")
     async def show(request: Request) -> Response:
-        body = await request.json()
+        try:
+            body = await json_body(request)
+        except Failure as exc:
+            return error(exc.status, exc.message)
         asked = body.get("model") or body.get("name") if isinstance(body, dict) else None
         if asked not in (engine.model_id, name()):
             return error(404, f"model '{asked}' not found")
@@ -227,7 +244,7 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
     async def chat(request: Request) -> Response:
         started = time.monotonic()
         try:
-            body = validated(ChatBody, await request.json())
+            body = validated(ChatBody, await json_body(request))
             _refuse_unsupported(body, {})
             if not body.messages:  # Ollama: load (or, with keep_alive 0, unload) the model
                 reason = "unload" if body.keep_alive in (0, "0", "0s") else "load"
@@ -247,7 +264,7 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
     async def generate_(request: Request) -> Response:
         started = time.monotonic()
         try:
-            body = validated(GenerateBody, await request.json())
+            body = validated(GenerateBody, await json_body(request))
             _refuse_unsupported(body, {
                 "images": body.images and "image inputs are not supported: this model reads "
                                           "text only",

@@ -54,6 +54,14 @@ def validated(model: type[Model], data: Any) -> Model:
         raise Failure(400, message, where or None, "invalid_value") from None
 
 
+async def json_body(request: Request) -> Any:
+    """The request's JSON (BodyGuard has checked its type and size), or a 400."""
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise Failure(400, f"the body is not valid JSON: {exc}") from None
+
+
 async def answer(generate: Generate, request: Request, body: Body, kind: str) -> dict[str, Any]:
     """The handler's JSON answer to a non-streamed request; a Failure for any error."""
     response = await generate(request, body, kind)

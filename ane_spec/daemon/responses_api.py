@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ane_spec.daemon.engine import Engine
 from ane_spec.daemon.protocol import ChatCompletionRequest, dumps, error_body
-from ane_spec.daemon.relay import Failure, Generate, answer, chunks, validated
+from ane_spec.daemon.relay import Failure, Generate, answer, chunks, json_body, validated
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -189,7 +189,7 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
     @api.post("/v1/responses")
     async def responses(request: Request) -> Response:
         try:
-            body = validated(ResponsesBody, await request.json())
+            body = validated(ResponsesBody, await json_body(request))
             inner = chat_request(body)
             rid, created = new_id("resp"), int(time.time())
             if not body.stream:
