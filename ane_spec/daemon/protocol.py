@@ -111,7 +111,7 @@ class _Generation(BaseModel):
     def _refuse_unsupported_samplers(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name, neutral in _NEUTRAL_LLAMA_CPP.items():
-                if data.get(name, neutral) != neutral:
+                if data.get(name) not in (None, neutral):  # null: the client's "not set"
                     hint = {"n_probs": " (use logprobs / top_logprobs)",
                             "mirostat": " (mirostat 1 and 2 are not implemented)"}.get(name, "")
                     raise ValueError(f"{name}: this server does not run that sampler; leave it "
