@@ -212,22 +212,30 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
 
     @api.post("/apply-template")
     async def apply_template(request: Request) -> Response:
-        """The chat's prompt text, as /v1/chat/completions would render it."""
+        """The chat's prompt text, as /v1/chat/completions renders it (same template, same
+        BOS/EOS texts)."""
         from ane_spec.daemon.tools import template_messages
+        from ane_spec.decode.grammar import GrammarError
+        from ane_spec.errors import AneSpecError
         from ane_spec.model.chat import render_chat
 
-        try:
-            body = validated(ChatCompletionRequest, await json_body(request))
+        def render(body: ChatCompletionRequest) -> str:
             messages = template_messages(body.messages, body.tools if body.uses_tools else None,
                                          engine.grammars.limits)
             tok = engine.tokenizer
-            eos = tok.token_text(tok.eos_token_id) if tok.eos_token_id is not None else ""
-            bos = tok.token_text(tok.bos_token_id) if tok.bos_token_id is not None else ""
-            prompt = render_chat(messages, template=tok.data.chat_template, eos_token=eos,
-                                 bos_token=bos)
+
+            def text(token: int | None) -> str:
+                return "<|endoftext|>" if token is None else tok.token_text(token)
+
+            return render_chat(messages, template=tok.data.chat_template,
+                               eos_token=text(tok.eos_token_id), bos_token=text(tok.bos_token_id))
+
+        try:
+            body = validated(ChatCompletionRequest, await json_body(request))
+            prompt = await anyio.to_thread.run_sync(render, body)
         except Failure as exc:
             return error(exc.status, exc.message)
-        except Exception as exc:  # a template or message the renderer refuses
+        except (AneSpecError, GrammarError, ValueError) as exc:  # what the renderer refuses
             return error(400, str(exc))
         return JSONResponse({"prompt": prompt})
 
