@@ -325,6 +325,9 @@ def test_ollama_models_and_version(ollama_client, url) -> None:
     with pytest.raises(ollama.ResponseError) as info:
         ollama_client.show("llama3:8b")
     assert info.value.status_code == 404 and "not found" in info.value.error
+    with pytest.raises(ollama.ResponseError) as info:
+        ollama_client.embed(model=model.model, input="x")
+    assert info.value.status_code == 501 and "embeddings are not supported" in info.value.error
 
 
 def test_ollama_chat_streamed_and_not(ollama_client, url) -> None:

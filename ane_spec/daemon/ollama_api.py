@@ -240,6 +240,12 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
             "capabilities": ["completion", "tools"], "modified_at":
                 engine.pipeline.manifest.created})
 
+    @api.post("/api/embed")
+    @api.post("/api/embeddings")
+    async def embed() -> Response:
+        return error(501, "embeddings are not supported: this server runs a generative "
+                          "Phi-4-mini build whose shards return next-token logits")
+
     @api.post("/api/chat")
     async def chat(request: Request) -> Response:
         started = time.monotonic()
