@@ -126,7 +126,9 @@ def test_completion_errors_in_llama_servers_shape(url) -> None:
                         ({"prompt": "x", "n_predict": -5}, "n_predict"),
                         ({"prompt": "x", "mirostat": 2}, "mirostat"),
                         ({"prompt": [10**9]}, "outside the vocabulary"),
-                        ({"prompt": "x", "grammar": "root ::= [", "n_predict": 2}, "grammar")]:
+                        ({"prompt": "x", "grammar": "root ::= [", "n_predict": 2}, "grammar"),
+                        ({"prompt": "x", "json_schema": {"type": "array", "uniqueItems": True}},
+                         "uniqueItems")]:
         r = httpx.post(f"{url}/completion", json=body)
         assert r.status_code == 400, (body, r.text)
         error = r.json()["error"]
