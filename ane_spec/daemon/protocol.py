@@ -10,6 +10,10 @@ non-text content (images, audio, files) and the deprecated functions API. Unknow
 ignored, as clients send vendor extras. Types are strict: `"stream": "yes"` is refused, not
 coerced.
 
+Lenient where llama-server is, since clients count on it: `max_tokens` / `n_predict` -1 is the
+rest of the context, `top_p: 0` keeps only the most likely token (see app._sampling), any
+number of stop strings, and a sampler field set to null or its neutral value is accepted.
+
 Deviation from OpenAI: `temperature` defaults to 0 (greedy), the exact speculative path; pass a
 temperature for sampling. Extensions travel in one field named `ane_spec`, both ways.
 """
