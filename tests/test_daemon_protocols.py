@@ -76,6 +76,9 @@ def test_continue_llama_cpp_provider_replay(url) -> None:
     assert last["tokens_evaluated"] == len(tokenize(url, PROMPT, add_special=True))
     ref = v1_text(url, PROMPT, 20, stop=body["stop"], top_k=40, top_p=0.95)
     assert text == ref and text
+    # a base URL set to the OpenAI one: new URL("completion", "http://host/v1/")
+    with httpx.stream("POST", f"{url}/v1/completion", json=body, timeout=120) as r:
+        assert "".join(c["content"] for c in sse_data(r) if c.get("content")) == text
     # the same request unstreamed: one JSON answer with the same content
     r = httpx.post(f"{url}/completion", json=body | {"stream": False}, timeout=120).json()
     assert r["content"] == text and r["stop"] is True and r["model"]

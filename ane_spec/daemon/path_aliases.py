@@ -6,6 +6,9 @@ else sees the request (so auth, the Host check and the metrics all see the canon
 - The OpenAI routes answer without the `/v1` prefix too (llama-server serves both), for clients
   configured with a base URL that lacks it.
 - `/v1/health` is `/health`.
+- llama-server's native routes answer under `/v1` too (llama-server itself does not serve
+  them there): Continue's llama.cpp provider posts to `new URL("completion", apiBase)`, which
+  is `/v1/completion` for a user who set the base URL to the OpenAI one.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 WITHOUT_V1 = frozenset({"/completions", "/chat/completions", "/models", "/embeddings",
                         "/responses"})
+NATIVE = frozenset({"/completion", "/infill", "/apply-template", "/tokenize", "/detokenize"})
 
 
 def canonical(path: str) -> str:
@@ -21,6 +25,8 @@ def canonical(path: str) -> str:
         path = path.rstrip("/") or "/"
     if path == "/v1/health":
         return "/health"
+    if path.startswith("/v1/") and path[3:] in NATIVE:
+        return path[3:]
     if path in WITHOUT_V1 or path.startswith("/models/"):
         return "/v1" + path
     return path
