@@ -122,6 +122,19 @@ def test_completion_grammar_and_json_schema(url) -> None:
         "prompt": PROMPT, "json_schema": schema, "n_predict": 60}, timeout=120).json()
     # no extra keys, at most 16 digits: the JSON always ends within 60 tokens
     assert r["stop_type"] == "eos" and list(json.loads(r["content"])) == ["n"]
+    # the runaway: {"x": 1, "y": 1111111515151515181818...} for 140 digits; now the
+    # same schema (no additionalProperties) always ends, greedy or sampled
+    xy = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+          "required": ["x", "y"]}
+    for seed in range(3):
+        r = httpx.post(f"{url}/v1/chat/completions", json={
+            "messages": ASK, "max_tokens": 60, "temperature": 1.0, "seed": seed,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "xy",
+                                                                       "schema": xy}}},
+            timeout=120).json()
+        assert r["choices"][0]["finish_reason"] == "stop", r
+        value = json.loads(r["choices"][0]["message"]["content"])
+        assert list(value) == ["x", "y"] and max(map(abs, value.values())) < 10**16
 
 
 def test_completion_errors_in_llama_servers_shape(url) -> None:
