@@ -338,6 +338,8 @@ def test_ollama_models_and_version(ollama_client, url) -> None:
     shown = ollama_client.show(model.model)
     assert "tools" in shown.capabilities and shown.template
     assert httpx.get(f"{url}/api/version").json()["version"]
+    (loaded,) = ollama_client.ps().models
+    assert loaded.model == model.model and loaded.context_length == 512
     import ollama
 
     with pytest.raises(ollama.ResponseError) as info:
