@@ -20,7 +20,8 @@ separators) completed like /completion.
 
 Departures: `n_predict: 0` still generates one token (llama-server only evaluates the prompt);
 `n_probs` is refused (ask /v1/completions for `logprobs`); `id_slot` in the answer is -1 unless
-the client named one.
+the client named one; `tokens` is always empty; `return_tokens`, `timings_per_token`,
+`samplers`, `t_max_predict_ms` and `t_max_prompt_ms` are ignored.
 """
 
 from __future__ import annotations
