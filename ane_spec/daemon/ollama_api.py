@@ -76,6 +76,13 @@ class OllamaMessage(BaseModel):
     thinking: str | None = None
 
 
+class ShowBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    name: str | None = None  # the older name of the field
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -225,10 +232,10 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
     @api.post("/api/show")
     async def show(request: Request) -> Response:
         try:
-            body = await json_body(request)
+            body = validated(ShowBody, await json_body(request))
         except Failure as exc:
             return error(exc.status, exc.message)
-        asked = body.get("model") or body.get("name") if isinstance(body, dict) else None
+        asked = body.model or body.name
         if asked not in (engine.model_id, name()):
             return error(404, f"model '{asked}' not found")
         tok = engine.tokenizer
