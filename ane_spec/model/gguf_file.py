@@ -122,14 +122,14 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     load_arch_tensors; optional tensors are in `optional_tensor_shapes`)."""
     shapes = _model_tensor_shapes(config)
     for i in range(config.num_layers):
-        shapes |= _layer_tensor_shapes(config, i)
+        shapes |= layer_tensor_shapes(config, i)
     return shapes
 
 
 def expected_tensor_count(config: ModelConfig) -> int:
     """len(expected_tensor_shapes(config)), without listing num_layers layers' names."""
     return len(_model_tensor_shapes(config)) + config.num_layers * len(
-        _layer_tensor_shapes(config, 0))
+        layer_tensor_shapes(config, 0))
 
 
 def _model_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -143,7 +143,8 @@ def _model_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _layer_tensor_shapes(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+def layer_tensor_shapes(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """The tensors of layer `i` for `config.arch`, with their numpy shapes."""
     a, d, f = config.architecture, config.hidden_size, config.ffn_size
     q, kv, p = config.q_dim, config.kv_dim, f"blk.{i}."
     shapes: dict[str, tuple[int, ...]] = {p + "attn_norm.weight": (d,)}

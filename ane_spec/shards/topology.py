@@ -78,10 +78,12 @@ def _spans(layers: list[int]) -> str:
 
 
 def layer_bytes(c: ModelConfig, fmt: WeightFormat) -> int:
-    """Stored bytes of one layer: four matrices plus two fp16 norm vectors."""
-    d, f = c.hidden_size, c.ffn_size
-    mats = [(c.qkv_rows, d), (d, d), (2 * f, d), (d, f)]
-    return sum(estimate_bytes(o, i, fmt) for o, i in mats) + 2 * 2 * d
+    """Stored bytes of one layer: four matrices (q|k|v and gate|up fused), fp16 norm vectors,
+    and the architecture's fp16 q|k|v bias and per-head q/k norms."""
+    d, f, a = c.hidden_size, c.ffn_size, c.architecture
+    mats = [(c.qkv_rows, d), (d, c.q_dim), (2 * f, d), (d, f)]
+    vectors = 2 * d + (c.qkv_rows if a.qkv_bias else 0) + (2 * c.head_dim if a.qk_norm else 0)
+    return sum(estimate_bytes(o, i, fmt) for o, i in mats) + 2 * vectors
 
 
 def plan_topology(c: ModelConfig, fmt: WeightFormat, max_shard_mb: int) -> list[tuple[int, int]]:
