@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from ane_spec.errors import ConfigError, describe
+from ane_spec.errors import ConfigError, describe, untrusted
 from ane_spec.model.architectures import ARCHITECTURES, Architecture
 
 ARCH = "phi3"  # the flagship's architecture, the default of every config
@@ -153,7 +153,7 @@ class ModelConfig(BaseModel):
             ("longrope",) if ARCHITECTURES.get(arch) and ARCHITECTURES[arch].rope_factors
             == "longrope" else ())
         if scaling not in allowed:
-            raise ConfigError(f"'{p}rope.scaling.type' is {describe(scaling)}; supported: "
+            raise ConfigError(f"'{p}rope.scaling.type' is {untrusted(scaling)}; supported: "
                               f"{', '.join(allowed)}")
         factor = value("rope.scaling.factor", float, 0.0) or value("rope.scale_linear", float, 0.0)
         context = need("context_length")

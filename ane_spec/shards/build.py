@@ -54,7 +54,14 @@ from ane_spec.shards.layer_weights import finite_vector, layer_tensor_names, lay
 from ane_spec.shards.output_dir import OutputLock, building_dir, recover, swap_into_place
 from ane_spec.shards.programs import MAX_T, head_program, layer_program, save_package
 from ane_spec.shards.static_checks import check_package
-from ane_spec.shards.topology import DEFAULT_MAX_SHARD_MB, check_budget, parse_topology, plan_topology
+from ane_spec.shards.topology import (
+    DEFAULT_MAX_SHARD_MB,
+    MAX_HEAD_CHANNELS,
+    check_budget,
+    min_head_chunks,
+    parse_topology,
+    plan_topology,
+)
 from ane_spec.shards.weights import (
     DEFAULT_MIN_WEIGHT_COSINE,
     ConvWeight,
@@ -285,6 +292,11 @@ def _validate(model: GGUFModel, r: BuildRequest) -> list[tuple[int, int]]:
     if not 1 <= r.head_chunks <= c.vocab_size:
         raise BuildError(f"--head-chunks {r.head_chunks} must be between 1 and the vocabulary "
                          f"size {c.vocab_size}")
+    if r.head_chunks < min_head_chunks(c.vocab_size):
+        raise BuildError(f"--head-chunks {r.head_chunks} makes LM-head chunks of up to "
+                         f"{-(-c.vocab_size // r.head_chunks):,} channels, over the "
+                         f"{MAX_HEAD_CHANNELS:,} known to stay on the ANE; use at least "
+                         f"{min_head_chunks(c.vocab_size)}")
     if not 0 < r.min_weight_cosine <= 1:
         raise BuildError(f"--min-weight-cosine {r.min_weight_cosine} must be in (0, 1]")
     ranges = parse_topology(r.topology, c.num_layers)

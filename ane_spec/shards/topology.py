@@ -111,3 +111,15 @@ def check_budget(ranges: list[tuple[int, int]], c: ModelConfig, fmt: WeightForma
                 f"--max-shard-mb {max_shard_mb} (the measured ANE residency cliff is between "
                 f"~1.9 and ~2.3 GiB). Split it: at most {fit} layers per shard, e.g. --topology "
                 + ",".join(str(b - a) for a, b in plan_topology(c, fmt, max_shard_mb)))
+
+
+# The widest LM-head chunk known to stay resident: ane-book's Phi-4-mini head ran as 4 chunks of
+# 50,016 output channels, fully on the ANE (ane-platform-notes.md; the "16384 per dimension" rule
+# quoted elsewhere is contradicted by that measurement and not applied here).
+MAX_HEAD_CHANNELS = 50_016
+
+
+def min_head_chunks(vocab_size: int) -> int:
+    """Fewest LM-head chunks that keep every chunk within MAX_HEAD_CHANNELS (chunks are split as
+    evenly as np.linspace makes them, so the widest is ceil(vocab / chunks))."""
+    return -(-vocab_size // MAX_HEAD_CHANNELS)
