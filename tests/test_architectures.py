@@ -269,3 +269,22 @@ def test_llama3_ignores_merges_for_whole_words(conditioned: dict[str, Path]) -> 
         assert tok.encode(word) == [i]
         differ += merged.encode(word) != [i]
     assert differ > 0, "no token in this vocabulary exercises ignore_merges"
+
+
+def test_prompts_get_bos_as_llama_cpp_adds_it(chaotic_builds: dict[str, Path]) -> None:
+    """Llama 3 prompts start with exactly one BOS, also when its chat template writes one
+    (llama.cpp strips the template's); Qwen prompts get none."""
+    from ane_spec.decode.generate import prompt_tokens
+
+    chat = [{"role": "user", "content": "hi"}]
+    llama = open_pipeline(chaotic_builds["llama"], "mil", "fp32")[1]
+    tok = llama.tokenizer
+    assert prompt_tokens(llama, prompt="hi") == [tok.bos_token_id] + tok.encode("hi")
+    ids = prompt_tokens(llama, messages=chat)
+    assert ids[:2] == [tok.bos_token_id, tok.id_of("<|start_header_id|>")]
+    assert tok.id_of("<|eot_id|>") in ids
+    qwen = open_pipeline(chaotic_builds["qwen2"], "mil", "fp32")[1]
+    assert prompt_tokens(qwen, prompt="hi") == qwen.tokenizer.encode("hi")
+    ids = prompt_tokens(qwen, messages=chat)
+    assert ids[0] == qwen.tokenizer.id_of("<|im_start|>")
+    assert qwen.tokenizer.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"

@@ -123,6 +123,15 @@ def preset(name: str, **overrides: object) -> SyntheticSpec:
     if name not in PRESETS:
         raise ConfigError(f"unknown preset '{name}'; choose one of {', '.join(PRESETS)}")
     values = PRESETS[name].model_dump() | {k: v for k, v in overrides.items() if v is not None}
+    # Another architecture, or other head shapes, with no rope_dims given: rotate what the
+    # architecture rotates (all of head_dim outside phi3) instead of the preset's count.
+    if overrides.get("rope_dims") is None and (
+            values["arch"] != PRESETS[name].arch
+            or any(overrides.get(k) is not None for k in ("hidden_size", "num_heads", "head_dim"))):
+        if not ARCHITECTURES[values["arch"]].partial_rotary:
+            values["rope_dims"] = None
+    if values.get("rope_freqs") and ARCHITECTURES[values["arch"]].rope_factors != "freqs":
+        values["rope_freqs"] = False
     try:
         return SyntheticSpec(**values)
     except ValidationError as exc:
