@@ -17,6 +17,7 @@ from gguf import GGUFValueType
 
 from ane_spec.decode.session import DecodeSession, GenerateOptions
 from ane_spec.errors import BuildError, GGUFError
+from ane_spec.manifests.store import load_manifest
 from ane_spec.model.architectures import ARCHITECTURES
 from ane_spec.model.gguf_file import expected_tensor_shapes, open_gguf
 from ane_spec.model.inspect import describe, format_description
@@ -28,6 +29,7 @@ from ane_spec.probes.gates import open_pipeline
 from ane_spec.probes.parity import run_parity
 from ane_spec.probes.row_invariance import run_row_invariance
 from ane_spec.shards.build import BuildRequest, build
+from ane_spec.shards.static_checks import dtype_problems, read_package_facts
 from ane_spec.shards.topology import MAX_HEAD_CHANNELS, check_budget, min_head_chunks, plan_topology
 from tests.gguf_edit import rewrite_gguf
 
@@ -144,6 +146,23 @@ def test_rope_type_is_part_of_the_contract(conditioned: dict[str, Path]) -> None
 
 
 # -- building and running --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packages_are_fp16_only_with_each_familys_ops(builds: dict[str, Path], arch: str) -> None:
+    m = load_manifest(builds[arch]).manifest
+    for shard in m.shards:
+        facts = read_package_facts(builds[arch] / shard.file.path)
+        n = shard.layers[1] - shard.layers[0]
+        assert dtype_problems(facts) == [] and set(facts.io_dtypes.values()) == {"fp16"}
+        assert not {"cast", "softmax", "identity"} & set(facts.ops)
+        # q|k|v and gate|up stay one conv each; qwen3's head norms are two more layer_norms.
+        assert facts.ops["conv"] == 4 * n
+        assert facts.ops["layer_norm"] == (4 if arch == "qwen3" else 2) * n
+        assert facts.states[f"layer_{shard.layers[0]}_k"] == (
+            [1, 1, S, 64 if arch == "qwen3" else 32], "fp16")
+    assert dtype_problems(read_package_facts(builds[arch] / m.head.file.path)) == []
+    assert m.rope.factor_set == ("freqs" if arch == "llama" else "none")
+
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_shards_match_the_reference(builds: dict[str, Path], conditioned: dict[str, Path],
