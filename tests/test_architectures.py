@@ -35,7 +35,10 @@ from tests.gguf_edit import rewrite_gguf
 
 S = 64
 ARCHS = ("llama", "qwen2", "qwen3")
-EXTRA = {"llama": {"rope_freqs": True}, "qwen2": {}, "qwen3": {"head_dim": 64}}
+# llama: Llama 3.1 frequency factors computed for a 64-token original context, so that most
+# dims carry factors (up to 32) that change angles within the tests' prompts.
+EXTRA = {"llama": {"rope_freqs": True, "original_context_length": 64}, "qwen2": {},
+         "qwen3": {"head_dim": 64}}
 
 
 def spec(arch: str, **kw: object) -> SyntheticSpec:
@@ -138,6 +141,12 @@ def test_rope_type_is_part_of_the_contract(conditioned: dict[str, Path]) -> None
     neox = ref.logits(tokens)
     cos = (norm * neox).sum(-1) / np.linalg.norm(norm, axis=-1) / np.linalg.norm(neox, axis=-1)
     assert cos[1:].min() < 0.99  # position 0 has no rotation at all
+    # So do the rope_freqs divisors: without them this fixture's logits move as much.
+    plain = ReferenceModel(m, context_window=S)
+    plain.rope = plain.rope.model_copy(update={"factors": (1.0,) * len(plain.rope.factors)})
+    other = plain.logits(tokens)
+    cos = (norm * other).sum(-1) / np.linalg.norm(norm, axis=-1) / np.linalg.norm(other, axis=-1)
+    assert cos.min() < 0.99
     # And the NORM rotation is the adjacent-pair one: dims (0, 1) rotate together.
     x = torch.zeros(1, 1, 4)
     x[0, 0, 0] = 1.0

@@ -58,7 +58,8 @@ class SyntheticSpec(BaseModel):
     rope_dims: int | None = None     # None: all of head_dim
     arch: str = "phi3"
     head_dim: int | None = None      # None: hidden_size / num_heads (written as key_length if not)
-    rope_freqs: bool = False         # llama: write Llama 3.1's rope_freqs tensor
+    rope_freqs: bool = False         # llama: write Llama 3.1's rope_freqs tensor, computed
+                                     # for original_context_length (8192 in Llama 3.2)
     context_length: int = 131072
     original_context_length: int = 4096
     rope_freq_base: float = 10000.0
@@ -105,10 +106,12 @@ PRESETS: dict[str, SyntheticSpec] = {
     # The real shapes of the small models people run locally (their HF config.json files).
     "llama-3.2-1b": SyntheticSpec(arch="llama", hidden_size=2048, num_layers=16, num_heads=32,
                                   num_kv_heads=8, ffn_size=8192, vocab_size=128256,
-                                  rope_freq_base=500000.0, rope_freqs=True),
+                                  rope_freq_base=500000.0, rope_freqs=True,
+                                  original_context_length=8192),
     "llama-3.2-3b": SyntheticSpec(arch="llama", hidden_size=3072, num_layers=28, num_heads=24,
                                   num_kv_heads=8, ffn_size=8192, vocab_size=128256,
-                                  rope_freq_base=500000.0, rope_freqs=True),
+                                  rope_freq_base=500000.0, rope_freqs=True,
+                                  original_context_length=8192),
     "qwen2.5-3b": SyntheticSpec(arch="qwen2", hidden_size=2048, num_layers=36, num_heads=16,
                                 num_kv_heads=2, ffn_size=11008, vocab_size=151936,
                                 context_length=32768, rope_freq_base=1000000.0, rms_eps=1e-6),
@@ -157,7 +160,8 @@ def _tensor_plan(spec: SyntheticSpec, c: ModelConfig) -> dict[str, TensorSource]
     shapes = expected_tensor_shapes(c)
     factors = c.architecture.rope_factors
     plan = (longrope_factor_tensors(c) if factors == "longrope"
-            else llama3_rope_freqs(c) if spec.rope_freqs else {})
+            else llama3_rope_freqs(c, original_context=spec.original_context_length)
+            if spec.rope_freqs else {})
     # One child seed per tensor: a tensor's values do not depend on the tensors written before it.
     for (name, shape), rng_seed in zip(shapes.items(), root.spawn(len(shapes))):
         if name.endswith(".bias"):
