@@ -303,6 +303,7 @@ def test_prompts_get_bos_as_llama_cpp_adds_it(chaotic_builds: dict[str, Path]) -
     """Llama 3 prompts start with exactly one BOS, also when its chat template writes one
     (llama.cpp strips the template's); Qwen prompts get none."""
     from ane_spec.decode.generate import prompt_tokens
+    from ane_spec.model.chat import render_chat_pieces
 
     chat = [{"role": "user", "content": "hi"}]
     llama = open_pipeline(chaotic_builds["llama"], "mil", "fp32")[1]
@@ -311,6 +312,10 @@ def test_prompts_get_bos_as_llama_cpp_adds_it(chaotic_builds: dict[str, Path]) -
     ids = prompt_tokens(llama, messages=chat)
     assert ids[:2] == [tok.bos_token_id, tok.id_of("<|start_header_id|>")]
     assert tok.id_of("<|eot_id|>") in ids
+    # The daemon's path: template markup and message text as pieces, the same single BOS.
+    pieces = render_chat_pieces(chat, template=tok.data.chat_template, add_bos=True,
+                                bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+    assert tok.encode_pieces(pieces, add_special=True) == ids
     qwen = open_pipeline(chaotic_builds["qwen2"], "mil", "fp32")[1]
     assert prompt_tokens(qwen, prompt="hi") == qwen.tokenizer.encode("hi")
     ids = prompt_tokens(qwen, messages=chat)

@@ -328,7 +328,8 @@ def _chat_prompt(tok, messages: list[dict[str, Any]], special_in_content: bool) 
 
     kw = dict(template=tok.data.chat_template,
               eos_token=_token_text(tok, tok.eos_token_id, "<|endoftext|>"),
-              bos_token=_token_text(tok, tok.bos_token_id, "<|endoftext|>"))
+              bos_token=_token_text(tok, tok.bos_token_id, "<|endoftext|>"),
+              add_bos=tok.data.add_bos_token)
     try:
         if special_in_content:
             return tok.encode(render_chat(messages, **kw), special=True, add_special=True)

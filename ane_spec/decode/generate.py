@@ -26,11 +26,7 @@ def prompt_tokens(pipeline: ShardPipeline, *, prompt: str | None = None,
         bos, eos = (tok.token_text(i) if i is not None else ""
                     for i in (tok.bos_token_id, tok.eos_token_id))
         text = render_chat(messages, template=pipeline.tokenizer_data.chat_template,
-                           bos_token=bos, eos_token=eos)
-        # llama.cpp (common_chat_templates_apply) drops a BOS the template wrote when tokenizing
-        # adds one, "to avoid double BOS".
-        if tok.data.add_bos_token and bos and text.startswith(bos):
-            text = text[len(bos):]
+                           bos_token=bos, eos_token=eos, add_bos=tok.data.add_bos_token)
         return tok.encode(text, special=True, add_special=True)
     if prompt is None:
         raise AneSpecError("give a prompt or chat messages")
