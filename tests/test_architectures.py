@@ -321,3 +321,35 @@ def test_prompts_get_bos_as_llama_cpp_adds_it(chaotic_builds: dict[str, Path]) -
     ids = prompt_tokens(qwen, messages=chat)
     assert ids[0] == qwen.tokenizer.id_of("<|im_start|>")
     assert qwen.tokenizer.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_the_daemon_serves_a_llama_build(chaotic_builds: dict[str, Path]) -> None:
+    """The OpenAI server on a real loopback socket, unchanged, over a Llama 3 build: chat and
+    completion prompts get one BOS, and the text is what greedy decoding of them gives."""
+    import openai
+
+    from ane_spec.daemon.config import ServeConfig
+    from ane_spec.daemon.server import BackgroundServer
+    from ane_spec.decode.generate import prompt_tokens
+    from tests.test_daemon import wait_ready
+
+    art = chaotic_builds["llama"]
+    config = ServeConfig(manifest=art, port=0, backend="mil", precision="fp32",
+                         log_level="warning", access_log=False)
+    chat = [{"role": "user", "content": "hi there"}]
+    with BackgroundServer(config) as srv:
+        wait_ready(srv.url)
+        pipeline = open_pipeline(art, "mil", "fp32")[1]
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        for kind, prompt in (("chat", prompt_tokens(pipeline, messages=chat)),
+                             ("text", prompt_tokens(pipeline, prompt="def f(x):"))):
+            ref = DecodeSession(pipeline).generate(
+                prompt, GenerateOptions(max_tokens=12, speculative=False))
+            if kind == "chat":
+                r = client.chat.completions.create(model="any", messages=chat, max_tokens=12)
+                text = r.choices[0].message.content
+            else:
+                r = client.completions.create(model="any", prompt="def f(x):", max_tokens=12)
+                text = r.choices[0].text
+            assert prompt.count(pipeline.tokenizer.bos_token_id) == 1
+            assert r.usage.prompt_tokens == len(prompt) and text == ref.text
