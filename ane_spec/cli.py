@@ -428,7 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="tiny",
                    choices=["tiny", "small", "phi4-mini", "llama-3.2-1b", "llama-3.2-3b",
                             "qwen2.5-3b", "qwen3-4b"])
-    p.add_argument("--arch", choices=["phi3", "llama", "qwen2", "qwen3"],
+    from ane_spec.model.architectures import ARCHITECTURES
+
+    p.add_argument("--arch", choices=list(ARCHITECTURES),
                    help="architecture (default: the preset's)")
     p.add_argument("--head-dim", type=int, help="head width when not hidden / heads (qwen3)")
     p.add_argument("--layers", type=int)

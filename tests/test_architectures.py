@@ -18,7 +18,7 @@ from gguf import GGUFValueType
 from ane_spec.decode.session import DecodeSession, GenerateOptions
 from ane_spec.errors import BuildError, GGUFError
 from ane_spec.manifests.store import load_manifest
-from ane_spec.model.architectures import ARCHITECTURES
+from ane_spec.model.architectures import ARCHITECTURES, Architecture
 from ane_spec.model.gguf_file import expected_tensor_shapes, open_gguf
 from ane_spec.model.inspect import describe, format_description
 from ane_spec.model.reference import ReferenceModel, apply_rope, apply_rope_norm
@@ -357,3 +357,31 @@ def test_the_daemon_serves_a_llama_build(chaotic_builds: dict[str, Path]) -> Non
         tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
         with pytest.raises(openai.BadRequestError, match="no <\\|tool_call\\|> token"):
             client.chat.completions.create(model="any", messages=chat, tools=tools)
+
+
+def test_a_new_architecture_is_one_description(monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path) -> None:
+    """Reader, writer, reference and compiler are driven by the description alone: a made-up
+    family mixing every quirk (NORM RoPE over part of each head with rope_freqs, q/k/v biases,
+    per-head q/k norms, fused gate|up) needs only its Architecture to build and run exactly.
+    It also covers the NORM row reordering of biases and norm weights, which no real family
+    needs."""
+    hybrid = Architecture(name="hybrid", title="test only", rope_type="norm", fused_qkv=False,
+                          fused_gate_up=True, qkv_bias=True, qk_norm=True,
+                          rope_factors="freqs", partial_rotary=True, vocab_family="llama3")
+    monkeypatch.setitem(ARCHITECTURES, "hybrid", hybrid)
+    gguf = write_synthetic_gguf(tmp_path / "hybrid.gguf", SyntheticSpec(
+        arch="hybrid", hidden_size=160, num_layers=2, num_heads=5, num_kv_heads=1, ffn_size=352,
+        vocab_size=1031, rope_dims=16, rope_freqs=True, original_context_length=64,
+        embed_std=1.0, branch_scale=1.0))
+    m = open_gguf(gguf)
+    assert m.tensors["blk.0.ffn_up.weight"].shape == (704, 160)
+    assert {"blk.0.attn_q.bias", "blk.0.attn_k_norm.weight", "rope_freqs.weight"} <= set(m.tensors)
+    assert "blk.0.ffn_gate.weight" not in m.tensors and m.config.rope_dims == 16
+    build(gguf, tmp_path / "art", BuildRequest(topology="2", max_seq=S))
+    for precision in ("fp32", "fp16"):
+        loaded, pipeline = open_pipeline(tmp_path / "art", "mil", precision)
+        parity = run_parity(loaded, pipeline, m, lengths=(3, 17), decode_steps=4)
+        print(precision, parity.summary())
+        assert parity.passed and parity.figures["gguf_min_cosine"] >= 0.999
+    assert parity.figures["argmax_agreement"] == 1.0
