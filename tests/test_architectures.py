@@ -265,6 +265,12 @@ def test_family_tokenizers(conditioned: dict[str, Path]) -> None:
     assert llama.pre_tokenize(text) == ["They", "'LL", " pay", " ", "123", "456", "7", " now"]
     assert qwen.pre_tokenize(text) == ["They", "'LL", " pay", " ", "1", "2", "3", "4", "5", "6",
                                        "7", " now"]
+    # On ASCII text llama.cpp's adapted patterns and the tokenizer.json ones (as HF runs them)
+    # cut the same words.
+    for data in (llama.data, qwen.data):
+        hf = Tokenizer.from_data(data, split="hf")
+        for sample in (text, "x = f(a, b) # 99 bottles\n\n  of beer's  ", "DON'T  stop\t\t"):
+            assert hf.pre_tokenize(sample) == Tokenizer.from_data(data).pre_tokenize(sample)
     ids = llama.encode("hi", add_special=True)
     assert ids[0] == llama.id_of("<|begin_of_text|>") and llama.data.add_bos_token
     assert qwen.encode("hi", add_special=True) == qwen.encode("hi")  # Qwen adds no BOS
