@@ -1,9 +1,12 @@
-r"""Phi-4-mini's tokenizer, read from GGUF metadata, tokenizing the way llama.cpp does.
+r"""Byte-level BPE tokenizers read from GGUF metadata, tokenizing the way llama.cpp does:
+Phi-4-mini's (`gpt-4o`), Llama 3's (`llama-bpe`) and Qwen 2.5 / 3's (`qwen2`).
 
 The GGUF carries a GPT-2 style byte-level BPE (`tokenizer.ggml.model = "gpt2"`): every token of
 type NORMAL is a string over the 256-symbol GPT-2 byte-to-unicode alphabet, merges are ranked by
 their index, and the pre-tokenizer named by `tokenizer.ggml.pre` ("gpt-4o", tiktoken's o200k_base
-split pattern) cuts text into words before BPE runs on each word separately.
+split pattern; "llama-bpe"; "qwen2") cuts text into words before BPE runs on each word
+separately. The families differ only in the split, in llama3's ignore_merges (a word that is a
+token is not merged up) and default BOS, and in their special tokens.
 
 The BPE itself runs in HF `tokenizers` (models.BPE + a Split/ByteLevel pre-tokenizer, the same
 pipeline as Phi-4-mini's tokenizer.json). What `tokenizers` would get wrong relative to llama.cpp
