@@ -197,12 +197,15 @@ def decoder_layer(x: Var, i: int, w: LayerWeights, io: BlockInputs, k_state: Var
         qkv = mb.add(x=qkv, y=w.qkv_bias.astype(np.float16).reshape(1, -1, 1, 1),
                      name=p + "qkv_bias")
     q, k, v = mb.split(x=qkv, split_sizes=[c.q_dim, c.kv_dim, c.kv_dim], axis=1)
-    q, k = to_heads(q, c.num_heads, hd), to_heads(k, kv, hd)
-    if w.q_norm is not None and w.k_norm is not None:
+    # Ops in this order keep a phi3 program exactly what it was before q/k norms existed.
+    q = to_heads(q, c.num_heads, hd)
+    if w.q_norm is not None:
         q = head_rms_norm(q, w.q_norm, c.rms_eps, hd, p + "q_norm")
-        k = head_rms_norm(k, w.k_norm, c.rms_eps, hd, p + "k_norm")
     q = rope(q, cos, sin, half, hd)
     q = mb.mul(x=q, y=np.float16(1.0 / math.sqrt(hd)))
+    k = to_heads(k, kv, hd)
+    if w.k_norm is not None:
+        k = head_rms_norm(k, w.k_norm, c.rms_eps, hd, p + "k_norm")
     k = rope(k, cos, sin, half, hd)
     v = to_heads(v, kv, hd)
     if variant.swap_kv_scatter:
