@@ -128,6 +128,16 @@ def test_keys_llama_cpp_refuses_or_defaults(conditioned: dict[str, Path], tmp_pa
                      set_keys={"qwen3.attention.value_length": (32, u32)})
     with pytest.raises(GGUFError, match="value_length' \\(32\\) differs from the key length"):
         open_gguf(p)
+    # Hostile values name their key.
+    for key, value, message in (
+            ("qwen3.attention.key_length", ("64", text), "key_length' must be an integer"),
+            ("qwen3.rope.scaling.factor", (float("nan"), f32), "rope_freq_scale must be a "
+                                                                "positive finite number"),
+            ("qwen3.attention.key_length", (0, u32), "key_length' must be positive, got 0")):
+        p = rewrite_gguf(conditioned["qwen3"], tmp_path / "bad.gguf", arch="qwen3",
+                         set_keys={key: value})
+        with pytest.raises(GGUFError, match=message):
+            open_gguf(p)
 
 
 def test_rope_type_is_part_of_the_contract(conditioned: dict[str, Path]) -> None:

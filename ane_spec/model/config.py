@@ -139,6 +139,8 @@ class ModelConfig(BaseModel):
         heads = need("attention.head_count")
         if p + "attention.key_length" in meta:
             head_dim = need("attention.key_length")
+            if head_dim <= 0:
+                raise ConfigError(f"'{p}attention.key_length' must be positive, got {head_dim}")
         elif heads <= 0 or hidden % heads:
             raise ConfigError(f"'{p}attention.head_count' ({heads}) does not divide "
                               f"'{p}embedding_length' ({hidden})")
