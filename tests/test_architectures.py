@@ -401,3 +401,15 @@ def test_a_new_architecture_is_one_description(monkeypatch: pytest.MonkeyPatch,
         print(precision, parity.summary())
         assert parity.passed and parity.figures["gguf_min_cosine"] >= 0.999
     assert parity.figures["argmax_agreement"] == 1.0
+
+
+def test_templates_get_strftime_now() -> None:
+    """Llama 3.x templates call strftime_now when it is defined, as HF and llama.cpp define it."""
+    import datetime
+
+    from ane_spec.model.chat import render_chat
+
+    template = ("{% if strftime_now is defined %}{{ strftime_now('%Y') }}{% else %}2024"
+                "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    text = render_chat([{"role": "user", "content": "!"}], template=template)
+    assert text == f"{datetime.date.today().year}!"

@@ -44,6 +44,12 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
                       sort_keys=sort_keys)
 
 
+def _strftime_now(fmt: str) -> str:
+    from datetime import datetime
+
+    return datetime.now().strftime(str(fmt))
+
+
 @lru_cache(maxsize=16)
 def _compile(template: str) -> Any:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -51,6 +57,10 @@ def _compile(template: str) -> Any:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = _raise_exception
+    # Llama 3.x templates date the system turn with it; HF transformers and llama.cpp's minja
+    # both provide it (with the current local date), and without it the template falls back
+    # to a fixed 2024 date, so prompts would differ from theirs.
+    env.globals["strftime_now"] = _strftime_now
     env.filters["tojson"] = _tojson
     return env.from_string(template)
 
