@@ -165,14 +165,20 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ane_spec.probes.doctor import run_doctor
-    from ane_spec.probes.doctor_report import to_json, to_lines, to_markdown
+    from ane_spec.probes.doctor_report import to_json, to_lines, to_markdown, write_atomically
+
+    def save(done: list) -> None:  # after every check: a crash later loses nothing
+        if args.out:
+            out = Path(args.out)
+            write_atomically(out, to_markdown(done, args.manifest))
+            write_atomically(out.with_suffix(".json"), to_json(done, args.manifest))
 
     checks = run_doctor(args.manifest, decode_shape=args.decode_shape, gguf=args.gguf,
-                        progress=lambda msg: print(f"[doctor] {msg}", file=sys.stderr))
+                        progress=lambda msg: print(f"[doctor] {msg}", file=sys.stderr),
+                        on_check=save)
     print(to_json(checks, args.manifest) if args.json else to_lines(checks))
     if args.out:
-        Path(args.out).write_text(to_markdown(checks, args.manifest))
-        print(f"wrote {args.out}", file=sys.stderr)
+        print(f"wrote {args.out} and {Path(args.out).with_suffix('.json')}", file=sys.stderr)
     return 1 if any(c.status == "failed" for c in checks) else 0
 
 
@@ -188,7 +194,9 @@ def _add_backend_args(p: argparse.ArgumentParser, *, decode_shape: bool = True) 
     p.add_argument("--decode-shape", choices=["fixed", "mixed"], default="fixed",
                    help="fixed (default): every pass computes 4 rows, so speculative output equals "
                         "greedy bitwise on a row-invariant backend; mixed: T=1 decode + T=4 "
-                        "verify, cheaper where T=1 is much faster, exact only up to rounding")
+                        "verify, cheaper where T=1 is much faster, exact only up to rounding. "
+                        "Residency (MLComputePlan) is proven at T=4, the inputs' default "
+                        "shape, only: with mixed, T=1 residency is unproven")
 
 
 # --- decoding ---------------------------------------------------------------------------------
@@ -243,8 +251,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def cmd_bench_drafter(args: argparse.Namespace) -> int:
     from ane_spec.bench.drafter_bench import (
-        CrossRequest, VllmNgramBaseline, format_markdown, format_side_by_side, losses,
-        run_drafter_bench,
+        BUILTIN_STREAMS_CAVEAT, CrossRequest, VllmNgramBaseline, format_markdown,
+        format_side_by_side, losses, run_drafter_bench,
     )
     from ane_spec.bench.streams import builtin_streams, load_streams
     from ane_spec.bench.suffix_baseline import SuffixDecodingBaseline
@@ -260,8 +268,12 @@ def cmd_bench_drafter(args: argparse.Namespace) -> int:
         "vllm-ngram": lambda: VllmNgramBaseline(**ngrams),
     }
     result = run_drafter_bench(streams, drafters, k=3, fill=args.fill)
-    print(json.dumps(result) if args.json
-          else format_side_by_side(result) + "\n" + format_markdown(result))
+    if args.json:
+        print(json.dumps(result | {"caveat": None if args.streams else BUILTIN_STREAMS_CAVEAT}))
+    else:
+        print(format_side_by_side(result) + "\n" + format_markdown(result))
+        if not args.streams:
+            print(BUILTIN_STREAMS_CAVEAT)
     # The verdict is the pooled figure: with a few streams per family (the default is 4) one
     # family's figure is a handful of requests; scripts/bench_drafter.py judges every family on
     # 60 streams each.
@@ -278,7 +290,7 @@ def cmd_bench_drafter(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from ane_spec.demo import run_demo
 
-    result = run_demo(args.out)
+    result = run_demo(args.out, backend=args.backend)
     return 0 if result["identical"] else 1
 
 
@@ -345,7 +357,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=8,
                    help="requests that may wait behind the running one; more get 429")
     p.add_argument("--no-speculative", action="store_true",
-                   help="plain T=1 decoding unless a request asks for speculation")
+                   help="plain greedy decoding, one token per pass (padded to T=4 in the "
+                        "fixed decode shape, T=1 in the mixed one), unless a request asks for "
+                        "speculation")
     p.add_argument("--ngram-min", type=int, help="drafter's shortest n-gram match")
     p.add_argument("--ngram-max", type=int, help="drafter's longest n-gram match")
     p.add_argument("--no-guard", action="store_true",
@@ -395,8 +409,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show the full traceback of an error instead of one line")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("demo", help="the whole toolchain on a generated tiny model (start here)")
+    p = sub.add_parser("demo", help="the whole toolchain on the shipped tiny-code model "
+                                         "(start here)")
     p.add_argument("--out", default="local-artifacts/demo")
+    p.add_argument("--backend", choices=["mil", "coreml"], default=None,
+                   help="coreml on macOS, the MIL interpreter elsewhere (the default)")
     p.set_defaults(handler=cmd_demo)
 
     p = sub.add_parser("inspect", help="print a GGUF file's config, tensors and tokenizer facts")
@@ -467,7 +484,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-chunks", type=int, default=4)
     p.add_argument("--head-argmax", action="store_true",
                    help="head emits per-chunk max and argmax instead of logits (greedy only)")
-    p.add_argument("--max-shard-mb", type=int, default=DEFAULT_MAX_SHARD_MB)
+    p.add_argument("--max-shard-mb", type=int, default=DEFAULT_MAX_SHARD_MB,
+                   help="largest shard's weights (default %(default)s: about 10%% under the "
+                        "largest shard measured ANE-resident, 1,921 MiB; above ~2.3 GiB ran "
+                        "off the ANE)")
     p.add_argument("--min-weight-cosine", type=float, default=DEFAULT_MIN_WEIGHT_COSINE,
                    help="fail if requantized weights agree less with the GGUF values")
     p.add_argument("--force", action="store_true",
@@ -484,7 +504,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int)
-    p.add_argument("--no-speculative", action="store_true", help="plain T=1 greedy decoding")
+    p.add_argument("--no-speculative", action="store_true",
+                   help="plain greedy decoding, one token per pass (padded to T=4 in the fixed "
+                        "decode shape, T=1 in the mixed one)")
     p.add_argument("--no-guard", action="store_true", help="mixed decode shape: turn the near-tie guard off")
     _add_ngram_args(p)
     p.add_argument("--trace", help="write one JSON line per pass to this file")
@@ -493,7 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_backend_args(p)
     p.set_defaults(handler=cmd_generate)
 
-    p = sub.add_parser("sweep", help="T=1 greedy vs speculative over prompt lengths, one process")
+    p = sub.add_parser("sweep", help="plain greedy (one token per pass) vs speculative decoding "
+                                          "over prompt lengths, one process")
     p.add_argument("--manifest", required=True)
     p.add_argument("--lengths", type=lambda t: [int(x) for x in t.split(",")],
                    default=[100, 200, 372, 800], help="prompt lengths, e.g. 100,200,372,800")
@@ -541,16 +564,20 @@ def build_parser() -> argparse.ArgumentParser:
                                       "row invariance, drift, parity, memory")
     p.add_argument("--gguf", help="source GGUF for the parity check (default: the manifest's)")
     p.add_argument("--decode-shape", choices=["fixed", "mixed"], default="fixed",
-                   help="the decode shape to check (sets Core ML's reshape hint)")
+                   help="the decode shape to check (sets Core ML's reshape hint); residency is "
+                        "planned at T=4 only, so with mixed, T=1 residency is unproven")
     p.add_argument("--json", action="store_true", help="print one JSON object with a checks list")
-    p.add_argument("--out", help="also write a short Markdown report to this file")
+    p.add_argument("--out", help="also write a short Markdown report to this file, and JSON "
+                   "beside it (.json); both are rewritten after every check")
     p.set_defaults(handler=cmd_doctor)
 
-    probe = sub.add_parser("probe", help="gates (row-invariance, parity, block, drift, residency, "
-                                         "all) and probes")
+    probe = sub.add_parser("probe", help="gates (row-invariance, overflow, parity, block, drift, "
+                                         "residency, all) and probes")
     psub = probe.add_subparsers(dest="gate", required=True, metavar="GATE")
     for gate, text in (("row-invariance", "a token's logits and K/V are the same at every row "
                                            "of a pass (what exact fixed-shape decoding needs)"),
+                       ("overflow", "a row that overflows fp16 (padding, filler, rejected draft) "
+                                    "changes no other slot or row"),
                        ("parity", "whole pipeline vs the reference forward pass"),
                        ("block", "T=4 block vs four T=1 calls, per shard"),
                        ("drift", "T=4 vs T=1 logit drift, stored for the exactness guard"),

@@ -34,8 +34,10 @@ import time
 from pathlib import Path
 
 from ane_spec.bench.drafter_bench import (
+    BUILTIN_STREAMS_CAVEAT,
     CrossRequest,
     VllmNgramBaseline,
+    format_by_drafter,
     format_markdown,
     format_side_by_side,
     format_timing_markdown,
@@ -132,11 +134,14 @@ def main() -> int:
         save_streams(streams, args.save_streams)
     n_out = sum(len(s.output) for s in streams)
     emit(f"## Replay ({len(streams)} streams, {source}; {n_out} output tokens)\n")
+    if not args.streams:
+        emit(BUILTIN_STREAMS_CAVEAT + "\n")
     lost = False
     replayed = {}
     for fill in (False, True):
         t0 = time.perf_counter()
         res = replayed[fill] = run_drafter_bench(streams, REPLAY, k=3, fill=fill)
+        emit(format_by_drafter(res))
         emit(format_markdown(res))
         for base in BASELINES:
             bad = losses(res, "ours", base)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -44,3 +45,30 @@ def test_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "not a GGUF file" in err and "Traceback" not in err
     with pytest.raises(SystemExit):
         main(["logits", str(bad), "--tokens", "a,b", "--out", "x.npy"])
+
+
+def _subcommand_help(*path: str) -> str:
+    """The `--help` text of `ane-spec PATH...`, as argparse prints it."""
+    from ane_spec.cli import build_parser
+
+    parser = build_parser()
+    for name in path:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[name]
+    return " ".join(parser.format_help().split())
+
+
+def test_help_says_what_the_commands_run() -> None:
+    """The demo runs the shipped tiny-code model (ane_spec/assets), and plain greedy decoding is
+    one token per pass, a padded T=4 pass in the default fixed decode shape: help that said
+    "a generated tiny model" or "plain T=1" described code that no longer exists."""
+    from ane_spec.cli import build_parser
+
+    top = " ".join(build_parser().format_help().split())
+    assert "shipped tiny-code model" in top and "generated tiny model" not in top
+    assert "plain greedy (one token per pass) vs speculative" in top and "T=1 greedy" not in top
+    for command in ("generate", "serve"):
+        text = _subcommand_help(command)
+        assert "plain T=1" not in text and "T=1 greedy" not in text, command
+        assert ("plain greedy decoding, one token per pass (padded to T=4 in the fixed decode "
+                "shape, T=1 in the mixed one)") in text, command

@@ -65,6 +65,11 @@ def test_bench_drafter(capsys) -> None:
     assert main(["bench-drafter", "--per-family", "1", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert {"ane-spec", "vllm-ngram"} <= set(result["drafters"])
+    # Figures from the project's own streams say what those streams are, in both formats.
+    assert "repeat across requests by construction" in result["caveat"]
+    assert "memory rule was chosen on these same streams" in result["caveat"]
+    assert main(["bench-drafter", "--per-family", "1"]) == 0
+    assert "repeat across requests by construction" in capsys.readouterr().out
 
 
 def test_head_argmax_build_decodes_greedily_and_refuses_sampling(tiny_gguf: Path,

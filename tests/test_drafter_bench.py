@@ -14,6 +14,7 @@ import pytest
 
 from ane_spec.bench.drafter_bench import (
     VllmNgramBaseline,
+    format_by_drafter,
     format_markdown,
     losses,
     replay,
@@ -219,6 +220,13 @@ def test_project_drafter_does_not_lose_to_baseline(streams, fill):
     md = format_markdown(res)
     assert md.count("\n| ") == 2 * (len(FAMILIES) + 1) + 1
     assert f"fill={'on' if fill else 'off'}" in md and "| overall | ours |" in md
+    # The table drafter.py's docstring once held, now printed by the bench: a row per drafter.
+    rows = format_by_drafter(res).splitlines()
+    assert rows[2] == "| drafter | " + " | ".join([*FAMILIES, "overall"]) + " |"
+    for line, (name, r) in zip(rows[4:], res["drafters"].items()):
+        figures = [r["families"][f]["tokens_per_pass"] for f in FAMILIES]
+        assert line == f"| {name} | " + " | ".join(
+            f"{v:.3f}" for v in [*figures, r["overall"]["tokens_per_pass"]]) + " |"
 
 
 def test_losses_reports_a_losing_family():

@@ -19,10 +19,12 @@ from ane_spec.manifests.store import load_manifest
 from ane_spec.model.chat import render_chat
 from ane_spec.probes.drift import measure_drift
 from ane_spec.probes.gates import open_pipeline
+from ane_spec.probes.overflow import run_overflow
 from ane_spec.probes.row_invariance import run_row_invariance
 from ane_spec.runtime.mil_backend import MILBackend
 from ane_spec.runtime.pipeline import ShardPipeline
 from ane_spec.shards.build import BuildRequest, build
+from ane_spec.shards.layer_graph import GraphVariant
 from tests.scripted_drafter import ScriptedDrafter
 
 S = 64
@@ -58,6 +60,44 @@ def test_row_invariance_on_every_build(builds: dict, name: str) -> None:
         assert report.passed, report.figures["verdict"]
         assert report.figures["max_logit_diff"] == 0.0 and report.figures["max_state_diff"] == 0.0
         assert report.figures["cases"] == 3 and report.figures["deterministic"]
+
+
+@pytest.mark.parametrize("name", list(BUILDS))
+def test_overflowing_rows_change_no_other_slot_on_every_build(builds: dict, name: str) -> None:
+    """Padding, filler and rejected-draft rows whose activations are inf, NaN or 7e4, and hidden
+    slots holding +-65504: every other row and slot bit-identical, every state value finite."""
+    for precision in ("fp32", "fp16"):
+        _, pipeline = open_pipeline(builds[name], "mil", precision)
+        report = run_overflow(pipeline)
+        assert report.passed, report.details["failures"][:3]
+        assert report.figures["cases"] == 36 and report.figures["verdict"].startswith(
+            "finite-safe on MIL interpreter")
+        cases = {c["case"] for c in report.details["cases"]}
+        assert cases == {"padding", "filler", "rejected-draft", "hidden-slot"}
+
+
+OLD_GRAPHS = {
+    # What each defect lets through: a scatter of uncleaned rows spreads NaN from any row into
+    # every slot; an additive mask loses to a hidden slot holding large K.
+    "uncleaned K/V write": (GraphVariant(unclean_kv_write=True),
+                            {"padding", "filler", "rejected-draft"}),
+    "additive mask": (GraphVariant(additive_mask=True), {"hidden-slot"}),
+}
+
+
+@pytest.mark.parametrize("defect", list(OLD_GRAPHS))
+def test_the_overflow_probe_fails_the_old_write_and_mask(tiny_gguf: Path, tmp_path: Path,
+                                                         defect: str) -> None:
+    variant, leaking = OLD_GRAPHS[defect]
+    build(tiny_gguf, tmp_path / "old", BuildRequest(topology="3", max_seq=32), variant=variant)
+    for precision in ("fp32", "fp16"):
+        _, pipeline = open_pipeline(tmp_path / "old", "mil", precision)
+        report = run_overflow(pipeline)
+        assert not report.passed
+        assert report.figures["verdict"].startswith("OVERFLOW LEAKS on MIL interpreter")
+        failing = {c["case"] for c in report.details["cases"]
+                   if not (c["identical"] and c["finite"])}
+        assert failing == leaking, (precision, failing)
 
 
 @pytest.mark.parametrize("name", list(BUILDS))

@@ -1,5 +1,6 @@
 """fp16-only programs: the build refuses an fp32 value, the fp16 interpreter rounds the attention
-softmax where the program does, and the mask cannot make that softmax produce inf or NaN."""
+softmax where the program does, the mask cannot make that softmax produce inf or NaN, and the K/V
+rows the scatter writes are finite whatever a row computed."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ from ane_spec.model.rope import make_rope_spec
 from ane_spec.runtime.host_inputs import MASK_VALUE, HostInputs
 from ane_spec.runtime.mil_interpreter import MILInterpreter
 from ane_spec.shards.build import BuildRequest, build
-from ane_spec.shards.layer_graph import GraphVariant, stable_softmax
+from ane_spec.shards.layer_graph import GraphVariant, finite_rows, stable_softmax
 from ane_spec.shards.programs import save_package
-from ane_spec.shards.static_checks import dtype_problems, read_package_facts
+from ane_spec.shards.static_checks import LAYER_OPS, dtype_problems, read_package_facts
 
 S = 64
 IOS18 = ct.target.iOS18
@@ -138,3 +139,85 @@ def test_host_masks_never_hide_every_slot_of_a_row(max_seq: int) -> None:
                 mask = host.block(position, t, width)["attn_mask"][0, 0]
                 assert (mask == 0).any(axis=-1).all(), (position, t, width)
                 assert set(np.unique(mask).tolist()) <= {0.0, float(np.float16(MASK_VALUE))}
+
+
+ALL_HALVES = np.arange(65536, dtype=np.uint16).view(np.float16)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+def test_finite_rows_saturates_inf_and_zeroes_nan(tmp_path: Path, precision: str) -> None:
+    """Every one of the 65,536 half bit patterns through the saved K/V cleaning ops: finite values
+    keep their bits (-0 included), +-inf become +-65504, every NaN (either sign, any payload) 0.
+    In fp32 mode a value past fp16's range saturates too, so both precisions write the same."""
+    shape = (1, 4, 128, 128)
+
+    @mb.program(input_specs=[mb.TensorSpec(shape, dtype=types.fp16)], opset_version=IOS18)
+    def prog(rows):
+        return finite_rows(rows, "clean")
+
+    path = tmp_path / "finite.mlpackage"
+    save_package(prog, path)
+    ops = set(read_package_facts(path).ops)
+    assert ops - {"const"} == {"clip", "equal", "select"} and ops <= LAYER_OPS
+    rows = ALL_HALVES.reshape(shape)
+    if precision == "fp32":
+        rows = rows.astype(np.float32)
+        rows[0, 0, 0, :4] = [7e4, -7e4, 3e38, -3e38]
+    got = MILInterpreter.from_package(path, precision=precision).predict({"rows": rows})["clean"]
+    f16max = float(np.finfo(np.float16).max)
+    expected = np.where(np.isnan(rows), 0, np.clip(rows, -f16max, f16max)).astype(got.dtype)
+    assert np.isfinite(got).all() and got.dtype == (np.float16 if precision == "fp16"
+                                                    else np.float32)
+    # Bit for bit: the sign of zero too.
+    bits = np.uint16 if precision == "fp16" else np.uint32
+    assert np.array_equal(got.view(bits), expected.view(bits))
+
+
+def rms_program(eps: np.float16):
+    @mb.program(input_specs=[mb.TensorSpec((1, 64, 2, 1), dtype=types.fp16)],
+                opset_version=ct.target.iOS18)
+    def prog(x):
+        return mb.layer_norm(x=x, axes=[1], epsilon=eps, name="y")
+    return prog
+
+
+def test_subnormal_rms_eps_in_the_fp16_interpreter() -> None:
+    """Defect 6: rms_eps 1e-5 is subnormal in fp16. The fp16 interpreter keeps it (1.0014e-5),
+    so an all-zero row normalises to 0; flushed to zero, as the ANE may do, the same row is
+    NaN. Rows with real content barely notice."""
+    eps = np.float16(1e-5)
+    assert 0 < eps < np.finfo(np.float16).smallest_normal
+    x = np.zeros((1, 64, 2, 1), np.float16)
+    x[0, :, 1, 0] = np.random.default_rng(0).standard_normal(64)  # row 1 real, row 0 zero
+    kept = MILInterpreter.from_program(rms_program(eps), "fp16").predict({"x": x})["y"]
+    flushed = MILInterpreter.from_program(rms_program(np.float16(0)), "fp16").predict({"x": x})["y"]
+    assert not kept[0, :, 0].any() and np.isfinite(kept).all()
+    assert np.isnan(flushed[0, :, 0]).all()
+    # A real row: mean(x^2) ~ 1 dwarfs 1e-5; the two differ by at most an fp16 rounding step.
+    np.testing.assert_allclose(kept[0, :, 1], flushed[0, :, 1], rtol=1e-3)
+
+
+def test_no_probe_feeds_an_all_zero_row(coreml_standin, coreml_build, monkeypatch) -> None:
+    """Every row the probes and the doctor's first predictions send to a layer shard has
+    content, so a flushed-to-zero eps can never turn one into NaN."""
+    from ane_spec.probes.doctor import jit_rows
+    from ane_spec.probes.gates import open_pipeline, run_gates
+
+    zero_rows = []
+    real = coreml_standin.StandinModel.predict
+
+    def recording(self, data, state=None):
+        if "kv_write_mask" in data:  # a layer shard
+            norms = np.abs(data["x"]).reshape(data["x"].shape[1], -1).max(axis=0)
+            zero_rows.extend(int(i) for i in np.flatnonzero(norms == 0))
+        return real(self, data, state)
+
+    monkeypatch.setattr(coreml_standin.StandinModel, "predict", recording)
+    out, _ = coreml_build
+    _, pipeline = open_pipeline(out, "coreml", "fp32")
+    for width in (1, 4):
+        pipeline.run_shards(jit_rows(pipeline, width), pipeline.host.block(0, width),
+                            pipeline.new_state())
+    run_gates(out, ("row-invariance", "overflow", "block", "drift"), backend="coreml", precision="fp32",
+              save=False)
+    assert zero_rows == []

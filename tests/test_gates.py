@@ -90,12 +90,14 @@ def test_gate_results_land_in_the_manifest_and_json(builds: dict, capsys) -> Non
     assert main(["probe", "all", "--manifest", str(path), "--backend", "mil"]) == 0
     out = capsys.readouterr().out
     assert "row-invariance [mil/fp32]: PASS" in out and "residency: SKIPPED" in out
+    assert "overflow [mil/fp32]: PASS" in out
     assert "parity [mil/fp32/fixed]: PASS" in out and "drift [mil/fp32/fixed]: PASS" in out
     manifest = load_manifest(path).manifest
     # Figures that depend on the pass width record the decode shape they were measured at.
     assert manifest.gates["parity:mil-fp32-fixed"].decode_shape == "fixed"
     assert manifest.drift["mil-fp32-fixed"] == 0.0  # row-invariant: a padded pass == a block row
     assert manifest.gates["row-invariance:mil-fp32"].passed
+    assert manifest.gates["overflow:mil-fp32"].passed
 
 
 def test_artifact_logits_match_the_reference_dump(builds: dict, tiny_gguf_conditioned: Path,

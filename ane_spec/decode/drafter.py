@@ -29,35 +29,18 @@ bits per token) built in O(1) per length. `append` does O(ngram_max) dict update
 token; a lookup tries the longest n, then binary-searches n (matches are nested), so it costs
 O(log ngram_max) dict probes plus O(ngram_max) key building; `draft` does one lookup for a copy
 (one per token for "frequent"), a bisect for resync and a k-token slice: it never scans the
-history. scripts/bench_drafter.py on the shared 2-core dev machine (CPython 3.11): draft(3)
-median 1.9-2.1 µs, p99 5-7 µs, flat at 1k, 8k and 32k tokens of history, where the vLLM-style
-rescanning baseline (numpy-vectorised) takes 15 / 29 / 64 µs median. 32k tokens index in
-0.08 s and 8 MB; ngram_max=16 (the daemon's cap) costs 0.29 s, 52 MB and p99 13 µs.
+history. scripts/bench_drafter.py times it (draft(3) and one decoding step, against a
+rescanning vLLM-style baseline) and prints the figures.
 
-Measured (replay of greedy T=4 verification, k=3, fill off; 300 built-in streams, 60 per
-family, 170k output tokens; ane_spec.bench.drafter_bench). The streams are stdlib text with
-constructed outputs (ane_spec.bench.streams), not a model's: they rank drafters on kinds of
-overlap, they do not predict a model's acceptance. Tokens per pass:
-
-| drafter                           | code  | code-edit | quote | structured | chat  | overall |
-|-----------------------------------|-------|-----------|-------|------------|-------|---------|
-| defaults (prefer="recent")        | 1.816 | 3.487     | 2.323 | 2.529      | 3.206 | 2.503   |
-| prefer="frequent"                 | 1.804 | 3.522     | 2.298 | 2.531      | 3.229 | 2.501   |
-| plain recent (no 1, 2a, 2b)       | 1.802 | 3.172     | 2.251 | 2.458      | 3.090 | 2.418   |
-| plain frequent (no 1, 2a, 2b)     | 1.790 | 3.182     | 2.235 | 2.459      | 3.086 | 2.412   |
-| vLLM ngram rule, n in [1, 4]      | 1.704 | 3.360     | 2.212 | 2.413      | 3.177 | 2.389   |
-
-Recent vs frequent: "recent" is the default, but it wins by only 0.25% overall with the plain
-rule (2.418 vs 2.412) and 0.1% with the others on (2.503 vs 2.501), within noise; per family
-frequent wins code-edit (+1.0%) and chat (+0.7%), recent wins code (+0.7%) and quote (+1.1%).
-Recent also costs one lookup per draft instead of one per token. The choice that matters is the
-occurrence a long match copies: either plain rule loses to vLLM's earliest-occurrence rule on
-code-edit (-5.6%) and chat (-2.7%), because the most recent occurrence is often the output's own
-earlier re-copy. Removing one rule from the defaults: follow -2.6% overall (and loses to vLLM
-on code-edit and chat), earliest_from -0.24% (loses on chat, 3.137 vs 3.177), resync -0.15%,
-chain -0.02%; ngram_max=8 would add 0.1% for twice the index. ngram_min=2 costs 5.9% with fill
-off. fill=True adds 0.2% at ngram_min=1 (2.508; nearly every token occurred before) and brings
-ngram_min=2 or 3 back to 2.505.
+How the defaults were chosen: scripts/bench_drafter.py replays greedy T=4 verification (k=3) on
+the built-in streams and prints tokens per pass per family for the defaults, each rule removed,
+prefer="frequent", and vLLM's rule (ane_spec.bench.drafter_bench). Those streams are stdlib text
+with constructed outputs (ane_spec.bench.streams), not a model's: they rank drafters on kinds of
+overlap and do not predict a model's acceptance. The choice that matters is the occurrence a
+long match copies: the most recent occurrence is often the output's own earlier re-copy, which
+is why a long match takes the earliest (rule 2b) and a copy in progress is followed (rule 1).
+"recent" vs "frequent" was within noise there; "recent" costs one lookup per draft instead of
+one per token.
 
 Across requests (`memory=DraftMemory(...)`, ane_spec.decode.draft_memory). The memory holds
 earlier requests' prompts and outputs; `reset` (and `finish`) add the request that ends, and
@@ -70,39 +53,15 @@ staying with this request; "longest-frequent" the same, ties going to the contin
 more often in its source; "frequent" the better-supported continuation first, then the longer
 match; "local-first" only when this request has no draft at all.
 
-Measured with the same replay, eight families now (the five above plus agent-loop, file-edits
-and chat-recall, ane_spec.bench.session_streams; 480 streams, 60 per family, 258k output
-tokens), each family's streams replayed in order through one drafter, so a stream may use the
-ones before it. Those repeat across streams by construction: the session families by design,
-and the first five because their 60 streams draw on 16-18 stdlib modules, so the same file or
-document comes back. Tokens per pass, fill off (fill on: the same to +/-0.011):
-
-| family      | per req | longest | long-freq | frequent | local-1st | Suffix g/p    | vLLM  |
-|-------------|---------|---------|-----------|----------|-----------|---------------|-------|
-| code        | 1.816   | 2.098   | 2.038     | 1.884    | 1.885     | 1.900 / 1.714 | 1.704 |
-| code-edit   | 3.487   | 3.655   | 3.605     | 2.027    | 3.596     | 3.425 / 3.347 | 3.360 |
-| quote       | 2.323   | 3.038   | 3.012     | 2.713    | 2.478     | 2.894 / 2.214 | 2.212 |
-| structured  | 2.529   | 3.435   | 3.406     | 3.208    | 2.919     | 3.093 / 2.416 | 2.413 |
-| chat        | 3.206   | 3.536   | 3.493     | 2.415    | 3.338     | 3.376 / 3.084 | 3.177 |
-| agent-loop  | 2.235   | 3.463   | 3.458     | 3.012    | 2.727     | 3.231 / 2.104 | 2.133 |
-| file-edits  | 3.532   | 3.821   | 3.824     | 3.114    | 3.582     | 3.580 / 3.406 | 3.319 |
-| chat-recall | 1.648   | 2.590   | 2.557     | 2.445    | 1.995     | 2.439 / 1.573 | 1.604 |
-| overall     | 2.462   | 3.068   | 3.028     | 2.468    | 2.688     | 2.846 / 2.347 | 2.353 |
-
-(per req: this request only, the defaults; the next four: cross-request under each memory_rule;
-Suffix g/p: SuffixDecoding with its global tree / its prompt tree alone; vLLM: its ngram rule.)
-
-The longer match decides: "longest" beats every other rule overall and on every family but
-file-edits, where the frequency tie-break is 0.003 ahead (3.824 vs 3.821); breaking ties by
-frequency costs 1.3% overall, because an equal-length match in this request is the fresher
-evidence. Trusting frequency first is 20% worse (a frequent short continuation in the memory
-overrides a long copy in progress), and asking the memory only when this request has nothing is
-12% worse. SuffixDecoding (bench/suffix_baseline.py) loses to "longest" on every family, by
-4-11%: its global tree holds only outputs, so a prompt re-sent later (a re-read tool output, a
-re-sent document) is not there, and it scores drafts by frequency, with short matches drafting
-one or two tokens. Cost: one decoding step (append one token + draft(3)) at a 32k history takes
-15.8 µs median with a 32k-token memory loaded, 9.5 µs without (scripts/bench_drafter.py, on the
-shared 2-core machine under load).
+The memory rule was chosen with the same replay over eight families (code, code-edit, quote,
+structured, chat, and the session families of ane_spec.bench.session_streams), each family's
+streams replayed in order through one drafter; the bench prints the table for every rule, next
+to SuffixDecoding (bench/suffix_baseline.py) and vLLM's rule. Those streams repeat across
+requests by construction (the session families by design, the others because they draw on a
+small set of stdlib modules), and the rule was chosen on them: "longest" came out ahead there,
+because an equal-length match in this request is the fresher evidence and a frequent short
+continuation from the memory must not override a long copy in progress. How much real traffic
+repeats across requests, and so what the memory gains there, is not measured.
 """
 
 from __future__ import annotations

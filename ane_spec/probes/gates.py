@@ -1,4 +1,4 @@
-"""`ane-spec probe parity|block|drift|row-invariance|residency|all`: run gates on a build, report,
+"""`ane-spec probe parity|block|drift|row-invariance|overflow|residency|all`: run gates on a build, report,
 record in the manifest."""
 
 from __future__ import annotations
@@ -11,14 +11,16 @@ from ane_spec.errors import AneSpecError
 from ane_spec.manifests.store import LoadedManifest, load_manifest, record_drift
 from ane_spec.probes.block import run_block
 from ane_spec.probes.drift import measure_drift
+from ane_spec.probes.overflow import run_overflow
 from ane_spec.probes.parity import run_parity
 from ane_spec.probes.report import GateReport, save_report
 from ane_spec.probes.row_invariance import run_row_invariance
 from ane_spec.runtime.backend import BackendName, DecodeShape, Precision, make_backend
 from ane_spec.runtime.pipeline import ShardPipeline
 
-# Row invariance first: on new hardware it is the property everything exact rests on.
-GATES = ("row-invariance", "parity", "block", "drift", "residency")
+# Row invariance first: on new hardware it is the property everything exact rests on; overflow
+# isolation next, the other half of it (a row that overflows must not reach other rows).
+GATES = ("row-invariance", "overflow", "parity", "block", "drift", "residency")
 
 
 def open_pipeline(manifest: str | os.PathLike[str], backend: BackendName, precision: Precision,
@@ -62,8 +64,12 @@ def residency_or_lint(package: Path, compute_units: str = "CPU_AND_NE",
                           {"compute_non_ane": 0}, {"lint": lint},
                           skipped=f"{exc}; the static ANE lint ran instead: {len(lint)} warnings")
     figures = {k: getattr(r, k) for k in RESIDENCY_COUNTS} | {"lint_warnings": len(lint)}
+    skipped = None
+    if r.undetermined:
+        ops = r.conv_total + sum(r.unplanned.values())
+        skipped = f"{r.undetermined}; structure only: {ops} op(s) read, placement unknown"
     return GateReport("residency", r.passed, "coreml", None, figures, {"compute_non_ane": 0},
-                      {"lint": lint, "packages": [r.to_dict()]})
+                      {"lint": lint, "packages": [r.to_dict()]}, skipped=skipped)
 
 
 RESIDENCY_COUNTS = ("conv_total", "conv_non_ane", "compute_total", "compute_non_ane")
@@ -76,8 +82,13 @@ def gate_residency(loaded: LoadedManifest, compute_units: str = "CPU_AND_NE") ->
     lint = [w for r in parts for w in r.details["lint"]]
     if any(r.skipped for r in parts):
         return GateReport("residency", False, "coreml", None, {"lint_warnings": len(lint)},
-                          {"compute_non_ane": 0}, {"lint": lint}, skipped=parts[0].skipped)
+                          {"compute_non_ane": 0},
+                          {"lint": lint, "packages": [p for r in parts
+                                                      for p in r.details.get("packages", [])]},
+                          skipped="; ".join(dict.fromkeys(r.skipped for r in parts if r.skipped)))
     figures = {k: sum(r.figures[k] for r in parts) for k in RESIDENCY_COUNTS}
+    # MLComputePlan plans the RangeDim default shape only: the one shape this verdict covers.
+    figures["planned_t"] = loaded.manifest.build.default_t
     figures["lint_warnings"] = len(lint)
     return GateReport("residency", all(r.passed for r in parts), "coreml", None, figures,
                       {"compute_non_ane": 0},
@@ -107,6 +118,8 @@ def run_gates(manifest: str | os.PathLike[str], gates: tuple[str, ...], *,
                 record_drift(loaded.root, pipeline.drift_key, report.figures["drift"])
             elif gate == "row-invariance":
                 report = run_row_invariance(pipeline)
+            elif gate == "overflow":
+                report = run_overflow(pipeline)
             else:
                 report = run_block(pipeline)
         if save:

@@ -138,10 +138,14 @@ def _execute(pipeline: ShardPipeline, plan: Plan, state: PipelineState, n: int) 
         for k, row in enumerate(rows_of_pass):
             if row.probe is not None:
                 rows[row.probe] = _row(out, k)
-    states = [shard.read_state(st, name)
-              for shard, st in zip(pipeline.shards, state.shard_states)
-              for name in shard.state_names]
-    return PlanResult(np.stack(rows), states)
+    return PlanResult(np.stack(rows), state_arrays(pipeline, state))
+
+
+def state_arrays(pipeline: ShardPipeline, state: PipelineState) -> list[np.ndarray]:
+    """Every state tensor of every shard, in order."""
+    return [shard.read_state(st, name)
+            for shard, st in zip(pipeline.shards, state.shard_states)
+            for name in shard.state_names]
 
 
 def _row(out: BlockOutput, k: int) -> np.ndarray:
@@ -151,12 +155,12 @@ def _row(out: BlockOutput, k: int) -> np.ndarray:
 
 
 def _compare(ref: PlanResult, got: PlanResult) -> dict:
-    logits_equal = _exactly_equal(ref.rows, got.rows)
-    states_equal = [_exactly_equal(a, b) for a, b in zip(ref.states, got.states)]
+    logits_equal = exactly_equal(ref.rows, got.rows)
+    states_equal = [exactly_equal(a, b) for a, b in zip(ref.states, got.states)]
     return {
         "identical": logits_equal and all(states_equal),
         "logits_identical": logits_equal,
-        "differing_rows": int(sum(not _exactly_equal(a, b) for a, b in zip(ref.rows, got.rows))),
+        "differing_rows": int(sum(not exactly_equal(a, b) for a, b in zip(ref.rows, got.rows))),
         "max_logit_diff": _max_diff(ref.rows, got.rows),
         "states_identical": all(states_equal),
         "differing_states": int(sum(not e for e in states_equal)),
@@ -165,7 +169,7 @@ def _compare(ref: PlanResult, got: PlanResult) -> dict:
     }
 
 
-def _exactly_equal(a: np.ndarray, b: np.ndarray) -> bool:
+def exactly_equal(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and bool(np.array_equal(a, b))
 
 

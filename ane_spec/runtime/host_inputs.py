@@ -20,8 +20,9 @@ import numpy as np
 from ane_spec.errors import AneSpecError
 from ane_spec.model.rope import RopeSpec
 
-# Finite so fp16 adds stay finite, and far below any real score so exp() underflows to 0 in the
-# softmax.
+# The attn_mask value of a hidden slot (visible slots are 0). The layers select on its sign
+# (`layer_graph.attention`) rather than add it, so no score can outweigh it; it stays -1e4, a
+# finite fp16 value, so the input means the same to a program that adds it.
 MASK_VALUE = -1.0e4
 
 

@@ -404,6 +404,8 @@ OPS: dict[str, OpDef] = {
     "real_div": OpDef(_binary(np.true_divide)),
     "maximum": OpDef(_binary(np.maximum)),
     "minimum": OpDef(_binary(np.minimum)),
+    # min(max(x, alpha), beta) as coremltools defines it: NaN stays NaN, +-inf become the bounds.
+    "clip": OpDef(lambda a: np.minimum(np.maximum(a["x"], a["alpha"]), a["beta"])),
     "pow": OpDef(_binary(np.power)),
     "greater": OpDef(_binary(np.greater)),
     "less": OpDef(_binary(np.less)),

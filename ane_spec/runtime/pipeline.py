@@ -22,10 +22,12 @@ from typing import Any
 
 import numpy as np
 
+from ane_spec.ane_limits import q8_block_refusal
+
 from ane_spec.errors import AneSpecError
 from ane_spec.manifests.store import LoadedManifest
 from ane_spec.runtime.backend import Backend, DecodeShape, LoadedProgram, check_decode_shape
-from ane_spec.runtime.fp16_argmax import chunked_argmax
+from ane_spec.runtime.fp16_argmax import NonFiniteLogits, argmax, chunked_argmax, require_finite
 from ane_spec.runtime.host_inputs import HostInputs
 
 
@@ -42,6 +44,11 @@ class BlockOutput:
     time and cached, a pass whose first draft is rejected reads one row, not four, and a row
     whose argmax alone is asked for is arg-maxed in the head's own buffers (`fp16_argmax`). A head
     built with --head-argmax has no logits, only each row's `argmax` and winning `max_logit`.
+
+    Every path refuses a row with a non-finite logit (`fp16_argmax.NonFiniteLogits`), so a row
+    yields one token or an error, however it is read: a logits read checks the whole row, the
+    head-buffer argmax checks every chunk, and a --head-argmax row checks its winning maximum
+    (the only value such a head reports: a NaN or -inf inside a chunk that lost is not seen).
     """
 
     def __init__(self, rows: int, read_row: Callable[[int], np.ndarray] | None, *,
@@ -73,16 +80,23 @@ class BlockOutput:
         if self._read_row is None:
             raise AneSpecError("this build's head emits only argmax (--head-argmax): no logits")
         if i not in self._logits:
-            self._logits[i] = self._read_row(i)
+            row = self._read_row(i)
+            require_finite(row, f"row {i} of the pass")
+            self._logits[i] = row
         return self._logits[i]
 
     def row_argmax(self, i: int) -> int:
         i = range(self.rows)[i]
+        if self._max_logit is not None and not np.isfinite(self._max_logit[i]):
+            raise NonFiniteLogits(f"row {i} of the pass")  # a --head-argmax row
         if i not in self._argmax:
-            if i in self._logits or self._argmax_row is None:
-                self._argmax[i] = int(self.row_logits(i).argmax())
-            else:  # straight from the head's buffers, without a float32 copy of the row
-                self._argmax[i] = self._argmax_row(i)
+            try:
+                if i in self._logits or self._argmax_row is None:
+                    self._argmax[i] = argmax(self.row_logits(i))
+                else:  # straight from the head's buffers, without a float32 copy of the row
+                    self._argmax[i] = self._argmax_row(i)
+            except NonFiniteLogits:
+                raise NonFiniteLogits(f"row {i} of the pass") from None
         return self._argmax[i]
 
     @property
@@ -150,6 +164,9 @@ class ShardPipeline:
         self.input_dtype = np.float32 if self.backend.precision == "fp32" else np.float16
         self.host = HostInputs(m.rope, self.max_seq, self.max_t, self.input_dtype)
         self.embeddings = Embeddings.load(self.loaded)
+        refusal = q8_block_refusal(m.build.weights, getattr(self.backend, "compute_units", ""))
+        if refusal:  # before any package is compiled or loaded
+            raise AneSpecError(refusal)
         # The manifest's hashes key Core ML's compiled-model cache (no re-hashing 2 GB shards).
         self.shards = [self.backend.load(self.loaded.path(s.file), sha256=s.file.sha256)
                        for s in m.shards]

@@ -35,6 +35,7 @@ from coremltools.converters.mil.mil import Program, types
 from pydantic import BaseModel, ConfigDict
 
 import ane_spec
+from ane_spec.ane_limits import build_warnings
 from ane_spec.errors import AneSpecError, BuildError, ManifestError, one_line, untrusted
 from ane_spec.manifests.schema import (
     BuildOptions,
@@ -52,7 +53,13 @@ from ane_spec.shards.embeddings import write_embeddings
 from ane_spec.shards.layer_graph import CORRECT, GraphVariant, Layout
 from ane_spec.shards.layer_weights import finite_vector, layer_tensor_names, layer_weights
 from ane_spec.shards.output_dir import OutputLock, building_dir, recover, swap_into_place
-from ane_spec.shards.programs import MAX_T, head_program, layer_program, save_package
+from ane_spec.shards.programs import (
+    DEFAULT_T,
+    MAX_T,
+    head_program,
+    layer_program,
+    save_package,
+)
 from ane_spec.shards.static_checks import check_package
 from ane_spec.shards.topology import (
     DEFAULT_MAX_SHARD_MB,
@@ -72,7 +79,9 @@ from ane_spec.shards.weights import (
 )
 
 # Bump when the emitted graphs change, so fingerprints stop matching and shards are rebuilt.
-COMPILER_REVISION = 1
+# 2: finite-safe KV write and select mask; 3: RangeDim default T=4 (residency is planned at the
+# shape that runs); 4: llama, qwen2 and qwen3 layers (phi3 programs are unchanged).
+COMPILER_REVISION = 4
 
 Progress = Callable[[str], None]
 
@@ -99,6 +108,7 @@ class BuildResult:
     built: list[str] = field(default_factory=list)
     reused: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)  # ANE limits the request runs into
 
 
 def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
@@ -113,6 +123,9 @@ def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
     out = Path(out_dir)
     model = open_gguf(gguf_path)
     ranges = _validate(model, request)
+    warnings = build_warnings(request.max_seq, request.weights, request.head_argmax)
+    for w in warnings:
+        say(f"warning: {w}")
     try:
         with OutputLock(out) as lock:
             removed = recover(out, _is_complete)
@@ -136,6 +149,7 @@ def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
         raise BuildError(f"cannot write the build for {out}: {exc.strerror or exc}{where}; "
                          "nothing was changed there") from None
     result.seconds = time.monotonic() - started
+    result.warnings = warnings
     return result
 
 
@@ -326,6 +340,7 @@ def _check_output(out: Path, force: bool) -> None:
 
 def _options(r: BuildRequest, ranges: list[tuple[int, int]]) -> BuildOptions:
     return BuildOptions(topology=[b - a for a, b in ranges], max_seq=r.max_seq, t_range=(1, MAX_T),
+                        default_t=DEFAULT_T,
                         layout=r.layout, weights=r.weights, head_chunks=r.head_chunks,
                         head_argmax=r.head_argmax, min_weight_cosine=r.min_weight_cosine)
 

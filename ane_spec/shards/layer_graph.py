@@ -9,14 +9,24 @@ every architecture; layer_weights.py maps each family's tensors onto it. Per lay
     q, k = rmsnorm(q), rmsnorm(k) per head    over head_dim               (qwen3)
     q, k = rope(q), rope(k)                   host cos/sin [T, rot/2], attn factor included
                                               (NEOX; NORM files arrive with q/k rows reordered)
+    k, v = finite(k), finite(v)               inf -> +-65504, NaN -> 0 (see below)
     K = K * (1 - rowsum(W)) + W @ k           W = kv_write_mask [1, 1, S, T]: T one-hot rows
-    o = softmax(q K^T / sqrt(hd) + mask) V    over all S slots, GQA by reshaping q's heads
+    s = select(visible, q K^T / sqrt(hd), -65504)   over all S slots, GQA by reshaping q's heads
+    o = softmax(s) V
     x = x + conv(o as [head, dim, token])     the flatten order seeds/003 got wrong once
     x = x + conv(silu(g) * u), (g, u) = split(conv(rmsnorm(x)))
 
 Every op is fp16, softmax included: the Neural Engine computes only fp16, and one fp32-typed op
 sends its layer to the CPU and back (coremltools' typed-execution guide). The build's static
 checks refuse any fp32 value in a saved program.
+
+Finite by construction: every pass computes rows that must change nothing (padding, probe
+fillers) and rows whose writes are thrown away (rejected drafts), and their activations can
+overflow fp16. The scatter multiplies every row by the write mask's zeros, and 0 x inf = NaN,
+so one unclean row would poison every slot, for good (`state * keep` cannot clean a NaN). So the
+K/V rows are made finite before the scatter (`finite_rows`), and the attention mask selects
+instead of adding: a hidden slot's score is replaced, whatever it holds, where an additive mask
+loses to any score more than |mask| above the row's visible ones.
 """
 
 from __future__ import annotations
@@ -55,7 +65,8 @@ class BlockInputs:
 
     cos: Var        # [T, rot/2]
     sin: Var
-    attn_mask: Var  # [1, 1, T, S]
+    attn_mask: Var  # [1, 1, T, S]: 0 visible, MASK_VALUE hidden (added only by a test variant)
+    visible: Var    # [1, 1, T, S] bool: attn_mask >= 0, what the layers select on
     write: Var      # [1, 1, S, T]
     keep: Var       # [1, 1, S, 1]: 1 - rowsum(write), computed once per shard
 
@@ -72,7 +83,15 @@ def conv_weight(w: ConvWeight, name: str) -> Var | np.ndarray:
 
 def rms_norm(x: Var, weight: np.ndarray, eps: float, d: int, name: str) -> Var:
     """RMSNorm as layer_norm over [x, -x]: the mean is exactly 0, the variance mean(x^2), and
-    layer_norm's reduction does not overflow fp16 the way a sum of squares over 3072 would."""
+    layer_norm's reduction does not overflow fp16 the way a sum of squares over 3072 would.
+
+    `eps` (Phi-4-mini: 1e-5) is below fp16's smallest normal (6.1e-5): stored as an fp16 const
+    it is the subnormal 1.0014e-5. The fp16 interpreter keeps it (it computes each op in fp32),
+    so an all-zero row normalises to 0. The ANE may flush subnormals to zero (Apple does not
+    document it); eps is then 0, and an all-zero row gives 0/sqrt(0) = NaN, which the K/V
+    scatter (0 * NaN) would spread into the cache. Real rows are unaffected (their mean(x^2) is
+    far above 1e-5), so nothing may feed all-zero rows: the pipeline pads with the last token,
+    and the probes use token embeddings."""
     both = mb.concat(values=[x, mb.mul(x=x, y=np.float16(-1.0))], axis=1)
     normed = mb.layer_norm(x=both, axes=[1], epsilon=np.float16(eps))
     half = mb.slice_by_index(x=normed, begin=[0, 0, 0, 0], end=[1, d, 0, 0],
@@ -109,20 +128,51 @@ def rope(x: Var, cos: Var, sin: Var, half: int, hd: int) -> Var:
     return mb.concat(values=parts, axis=3)
 
 
-def scatter_rows(state: Var, rows: Var, io: BlockInputs, name: str) -> Var:
-    """Write T new rows [1, kv, T, hd] into slots chosen by the one-hot write mask."""
+# fp16's largest finite value. Clamping to it changes no finite fp16 value, so a well-behaved
+# row's K/V are written bit for bit as before.
+FP16_MAX = np.float16(65504.0)
+# What a hidden slot's score becomes: the lowest finite fp16 value, so a row with one visible
+# slot scoring above -65504 + 17 gives every hidden slot exactly 0 weight (exp underflows), and
+# a row with none stays finite (uniform), never NaN. -inf would be NaN there (-inf - -inf).
+HIDDEN_SCORE = np.float16(-65504.0)
+
+
+def finite_rows(rows: Var, name: str) -> Var:
+    """`rows` with +-inf saturated to +-FP16_MAX and NaN replaced by 0: every value finite.
+
+    The scatter then computes 0 x finite = 0 for every slot a row does not write, exactly, so
+    slots other than a row's own are bit-identical whatever that row computed. `clip` alone would
+    leave NaN (min/max propagate it), and NaN is what an overflowing row usually holds: an inf
+    activation turns to NaN in the next layer_norm (inf - inf)."""
+    bounded = mb.clip(x=rows, alpha=-FP16_MAX, beta=FP16_MAX)
+    # NaN is the one value not equal to itself.
+    return mb.select(cond=mb.equal(x=bounded, y=bounded), a=bounded, b=np.float16(0.0),
+                     name=name)
+
+
+def scatter_rows(state: Var, rows: Var, io: BlockInputs, name: str, clean: bool = True) -> Var:
+    """Write T new rows [1, kv, T, hd] into slots chosen by the one-hot write mask.
+    `clean=False` scatters the rows as computed: only for the overflow probe's test."""
+    if clean:
+        rows = finite_rows(rows, name + "_rows")
     placed = mb.matmul(x=io.write, y=rows)                  # [1, kv, S, hd]
     return mb.add(x=mb.mul(x=state, y=io.keep), y=placed, name=name)
 
 
 def attention(q: Var, keys: Var, values: Var, io: BlockInputs, c: ModelConfig,
-              fp32_softmax: bool = False) -> Var:
+              fp32_softmax: bool = False, additive_mask: bool = False) -> Var:
     """Softmax attention over all S slots; returns [1, H, T, hd]."""
     h, kv, hd, slots = c.num_heads, c.num_kv_heads, c.head_dim, keys.shape[2]
     # Query head h uses KV head h // group: fold each group's heads into the row axis.
     grouped = mb.reshape(x=q, shape=[1, kv, -1, hd])                    # [1, kv, G*T, hd]
     scores = mb.matmul(x=grouped, y=keys, transpose_y=True)             # [1, kv, G*T, S]
-    scores = mb.add(x=mb.reshape(x=scores, shape=[1, h, -1, slots]), y=io.attn_mask)
+    scores = mb.reshape(x=scores, shape=[1, h, -1, slots])
+    if additive_mask:  # the mask this compiler once had; only for the overflow probe's test
+        scores = mb.add(x=scores, y=io.attn_mask)
+    else:
+        # Select, not add: a hidden slot's score is HIDDEN_SCORE whatever q.K gave there, inf or
+        # NaN included (a rejected draft's slot may hold FP16_MAX K rows).
+        scores = mb.select(cond=io.visible, a=scores, b=HIDDEN_SCORE)
     if fp32_softmax:  # the island this compiler once had; only for the static check's test
         probs = mb.cast(x=stable_softmax(mb.cast(x=scores, dtype="fp32")), dtype="fp16")
     else:
@@ -136,7 +186,7 @@ def stable_softmax(scores: Var) -> Var:
     dtype of `scores` (fp16 in every program the compiler writes).
 
     The max is subtracted before exp, so exp's argument is <= 0 and every term is in [0, 1]: no
-    overflow for any finite scores, and a masked slot (score - 1e4) underflows to exactly 0. The
+    overflow for any finite scores, and a hidden slot (HIDDEN_SCORE) underflows to exactly 0. The
     row's maximum term is exp(0) = 1, so the sum is in [1, S] and the division is safe even for a
     row with every slot masked (it comes out uniform, not NaN). Written out rather than as
     `softmax` so the arithmetic is the program's, not a kernel's unstated choice, and so the fp16
@@ -169,6 +219,9 @@ class GraphVariant:
     swap_kv_scatter: bool = False
     flatten: str = "head_dim_token"
     fp32_softmax: bool = False  # cast -> softmax in fp32 -> cast: must fail the static checks
+    # The KV write and mask before they were finite-safe: must fail the overflow probe.
+    unclean_kv_write: bool = False  # K/V rows scattered as computed: 0 x inf = NaN everywhere
+    additive_mask: bool = False     # scores + attn_mask: loses to a hidden score above ~1e4
 
 
 CORRECT = GraphVariant()
@@ -212,13 +265,14 @@ def decoder_layer(x: Var, i: int, w: LayerWeights, io: BlockInputs, k_state: Var
         k, v = v, k
     # Attention reads what coreml_update_state returns: the canonical in-place pattern that
     # coremltools' state passes expect (reading the pre-update var breaks them).
-    keys = mb.coreml_update_state(
-        state=k_state, value=scatter_rows(mb.read_state(input=k_state), k, io, p + "k_new"))
-    values = mb.coreml_update_state(
-        state=v_state, value=scatter_rows(mb.read_state(input=v_state), v, io, p + "v_new"))
+    clean = not variant.unclean_kv_write
+    keys = mb.coreml_update_state(state=k_state, value=scatter_rows(
+        mb.read_state(input=k_state), k, io, p + "k_new", clean))
+    values = mb.coreml_update_state(state=v_state, value=scatter_rows(
+        mb.read_state(input=v_state), v, io, p + "v_new", clean))
 
-    o = merge_heads(attention(q, keys, values, io, c, variant.fp32_softmax), c, layout,
-                    variant.flatten)
+    o = merge_heads(attention(q, keys, values, io, c, variant.fp32_softmax,
+                              variant.additive_mask), c, layout, variant.flatten)
     x = mb.add(x=x, y=mb.conv(x=o, weight=conv_weight(w.attn_output, p + "o_w")))
 
     f = mb.conv(x=rms_norm(x, w.ffn_norm, c.rms_eps, d, p + "ffn_norm"),

@@ -22,6 +22,8 @@ LAYER_OPS = frozenset({
     "const", "constexpr_blockwise_shift_scale", "conv", "concat", "layer_norm", "slice_by_index",
     "mul", "add", "sub", "split", "reshape", "transpose", "matmul", "reduce_sum", "reduce_max",
     "exp", "real_div", "silu", "read_state",
+    # Finite-safe KV write (clip, equal, select) and attention mask (greater_equal, select).
+    "clip", "equal", "select", "greater_equal",
     # A saved package stores each coreml_update_state as write_state followed by read_state.
     "write_state",
 })

@@ -1,0 +1,192 @@
+"""Overflow isolation: a row whose activations overflow fp16 changes no other slot and no other
+row, exactly.
+
+Every pass computes rows whose results must not matter: padding (repeats the last real row and
+writes nothing), a probe's filler rows (write nothing), and drafts that verification rejects
+(they write a slot that stays hidden until a later pass overwrites it). Their activations can
+overflow fp16 like any row's; an inf activation becomes NaN at the next layer_norm. Before the
+layer graph made its K/V write and its mask finite-safe, one such row turned every K/V slot of the
+cache into NaN (the scatter's 0 x NaN), for good. Plain greedy decoding never computes a rejected
+draft, so speculative output could then differ from greedy's.
+
+The probe injects such rows into real passes of the build and compares, with IEEE equality and no
+tolerance (as `row_invariance` does), against the same passes with the row left clean:
+
+- `padding`: one real row, its three padding rows poisoned: the real row's outputs and every
+  state value must be unchanged;
+- `filler`: the real row at row r, poisoned fillers at other positions in the other rows: same;
+- `rejected-draft`: a 4-row verify pass whose row-2 draft is poisoned (rows 0 and 1 accepted;
+  row 3 read the poisoned slot and is rejected too), then the next pass, at the rejected slot:
+  the accepted rows, the next pass's row and every slot up to it must be unchanged;
+- `hidden-slot`: slots hidden from the row (past its position) hold the largest finite K and V of
+  either sign, what a saturated overflow leaves: the row's outputs must be unchanged.
+
+and, after every pass, every state value must be finite. Poisons: +inf, -inf, NaN, the three
+alternating, and 7e4 (inf in fp16; a large but ordinary value in fp32, so there the cases test
+that a different row writes nothing outside its slot).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ane_spec.errors import AneSpecError
+from ane_spec.probes.parity import gate_prompts, special_token_ids
+from ane_spec.probes.report import GateReport
+from ane_spec.probes.row_invariance import exactly_equal, state_arrays
+from ane_spec.runtime.pipeline import PipelineState, ShardPipeline
+
+FP16_MAX = float(np.finfo(np.float16).max)
+POISONS: dict[str, Sequence[float]] = {
+    "+inf": [np.inf], "-inf": [-np.inf], "nan": [np.nan],
+    "inf-nan-mix": [np.inf, -np.inf, np.nan], "7e4": [7e4],
+}
+HIDDEN_FILLS: dict[str, Sequence[float]] = {
+    "+max": [FP16_MAX], "-max": [-FP16_MAX],
+    "alternating-max": [FP16_MAX, -FP16_MAX],
+}
+WIDTH = 4
+
+
+@dataclass(frozen=True)
+class Pass:
+    tokens: list[int]
+    positions: list[int]
+    writes: list[bool]
+    read: list[int]  # rows whose outputs count
+
+
+@dataclass
+class Outcome:
+    rows: list[np.ndarray]   # the read rows' head outputs, every output of the head
+    states: list[np.ndarray]
+
+
+def run_overflow(pipeline: ShardPipeline, prefix_lengths: tuple[int, ...] = (9,),
+                 end_of_context: bool = True, seed: int = 11) -> GateReport:
+    if pipeline.max_t < WIDTH:
+        raise AneSpecError(f"the overflow probe needs passes of {WIDTH} rows; the build has "
+                           f"{pipeline.max_t}")
+    s, vocab = pipeline.max_seq, pipeline.config.vocab_size
+    lengths = [p for p in prefix_lengths if p + WIDTH <= s]
+    if end_of_context:
+        lengths.append(s - WIDTH)
+    rng = np.random.default_rng(seed)
+    cases: list[dict] = []
+    for prefix in gate_prompts(vocab, s, lengths, special_token_ids(pipeline), seed, reserve=0):
+        p = len(prefix)
+        filled = pipeline.new_state()
+        for start in range(0, p, WIDTH):
+            pipeline.run(prefix[start:start + WIDTH], start, filled, width=WIDTH)
+        tokens = rng.integers(0, vocab, 6).tolist()
+        fillers = [(int(rng.integers(0, vocab)), int(rng.integers(0, p + 1))) for _ in range(3)]
+        cases += _padding_and_filler(pipeline, filled, p, tokens[0], fillers)
+        cases += _rejected_draft(pipeline, filled, p, tokens)
+        cases += _hidden_slots(pipeline, filled, p, tokens[0])
+    failures = [f"prefix {c['prefix_tokens']}, {c['case']}, {c['poison']}" for c in cases
+                if not c["identical"] or not c["finite"]]
+    passed = not failures
+    figures = {"cases": len(cases), "differing_cases": sum(not c["identical"] for c in cases),
+               "non_finite_cases": sum(not c["finite"] for c in cases),
+               "verdict": _verdict(pipeline, passed, failures)}
+    return GateReport("overflow", passed, pipeline.backend.name, pipeline.backend.precision,
+                      figures, {"differing_cases": 0, "non_finite_cases": 0},
+                      {"cases": cases, "failures": failures})
+
+
+def _padding_and_filler(pipeline: ShardPipeline, filled: PipelineState, p: int, token: int,
+                        fillers: list[tuple[int, int]]) -> list[dict]:
+    padded = Pass([token] * WIDTH, [p] * WIDTH, [True] + [False] * (WIDTH - 1), [0])
+    results = []
+    for name, pattern in POISONS.items():
+        # The real row moves through rows 0..3 as the poisons change; fillers fill the rest.
+        r = len(results) // 2 % WIDTH
+        rows = list(fillers)
+        rows.insert(r, (token, p))
+        filler = Pass([t for t, _ in rows], [q for _, q in rows],
+                      [k == r for k in range(WIDTH)], [r])
+        for case, run in (("padding", padded), ("filler", filler)):
+            poisoned = [k for k in range(WIDTH) if k not in run.read]
+            clean = _execute(pipeline, [run], [[]], pipeline.copy_state(filled), pattern)
+            dirty = _execute(pipeline, [run], [poisoned], pipeline.copy_state(filled), pattern)
+            results.append(_case(p, case, name, clean, dirty, slots=pipeline.max_seq))
+    return results
+
+
+def _rejected_draft(pipeline: ShardPipeline, filled: PipelineState, p: int,
+                    tokens: list[int]) -> list[dict]:
+    verify = Pass(tokens[:4], [p, p + 1, p + 2, p + 3], [True] * 4, [0, 1])
+    # Rows 0 and 1 accepted, row 2 rejected: the next pass starts at slot p + 2 and overwrites it;
+    # slot p + 3 (row 3's write, computed from the poisoned slot) stays, hidden.
+    follow = Pass([tokens[4]] * WIDTH, [p + 2] * WIDTH, [True] + [False] * (WIDTH - 1), [0])
+    clean = _execute(pipeline, [verify, follow], [[], []], pipeline.copy_state(filled), [0.0])
+    return [_case(p, "rejected-draft", name, clean,
+                  _execute(pipeline, [verify, follow], [[2], []], pipeline.copy_state(filled),
+                           pattern), slots=p + 3)
+            for name, pattern in POISONS.items()]
+
+
+def _hidden_slots(pipeline: ShardPipeline, filled: PipelineState, p: int,
+                  token: int) -> list[dict]:
+    run = Pass([token] * WIDTH, [p] * WIDTH, [True] + [False] * (WIDTH - 1), [0])
+    clean = _execute(pipeline, [run], [[]], pipeline.copy_state(filled), [0.0])
+    results = []
+    for name, fill in HIDDEN_FILLS.items():
+        state = pipeline.copy_state(filled)
+        for shard, st in zip(pipeline.shards, state.shard_states):
+            for state_name in shard.state_names:
+                kv = shard.read_state(st, state_name)
+                hidden = kv[:, :, p + 1:, :]
+                hidden[...] = np.resize(np.asarray(fill, np.float32), hidden.shape)
+                shard.write_state(st, state_name, kv)
+        results.append(_case(p, "hidden-slot", name, clean,
+                             _execute(pipeline, [run], [[]], state, [0.0]), slots=p + 1))
+    return results
+
+
+def _execute(pipeline: ShardPipeline, passes: list[Pass], poisoned: list[list[int]],
+             state: PipelineState, pattern: Sequence[float]) -> Outcome:
+    """Run the passes, replacing the poisoned rows' embeddings with `pattern` (tiled)."""
+    rows: list[np.ndarray] = []
+    finite = True
+    for run, bad in zip(passes, poisoned):
+        inputs = pipeline.host.rows(run.positions, run.writes)
+        embedded = pipeline.embeddings.lookup(run.tokens)
+        for k in bad:
+            embedded[k] = np.resize(np.asarray(pattern, np.float32), embedded.shape[1])
+        # Overflow is the point here: neither the fp16 cast of 7e4 nor the interpreter's
+        # per-op overflow warnings say anything the comparison does not.
+        with np.errstate(over="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            hidden = pipeline.to_hidden(embedded)
+            out = pipeline.head.predict({"x": pipeline.run_shards(hidden, inputs, state)})
+        for k in run.read:
+            rows.append(np.concatenate([pipeline.token_major(out[name])[k].astype(np.float64)
+                                        for name in sorted(out)]))
+        finite = finite and all(np.isfinite(a).all() for a in state_arrays(pipeline, state))
+    return Outcome(rows, state_arrays(pipeline, state) if finite else [])
+
+
+def _case(p: int, case: str, poison: str, clean: Outcome, dirty: Outcome, slots: int) -> dict:
+    """Compare the read rows and the first `slots` slots of every state (slot axis 2)."""
+    rows_equal = all(exactly_equal(a, b) for a, b in zip(clean.rows, dirty.rows))
+    finite = bool(clean.states) and bool(dirty.states)  # [] where a pass left a non-finite value
+    states_equal = finite and all(exactly_equal(a[:, :, :slots], b[:, :, :slots])
+                                  for a, b in zip(clean.states, dirty.states))
+    return {"prefix_tokens": p, "case": case, "poison": poison, "finite": finite,
+            "rows_identical": rows_equal, "states_identical": states_equal,
+            "identical": rows_equal and states_equal}
+
+
+def _verdict(pipeline: ShardPipeline, passed: bool, failures: list[str]) -> str:
+    where = pipeline.backend.describe()
+    if passed:
+        return (f"finite-safe on {where}: a row that overflows fp16 (padding, filler, rejected "
+                "draft) changes no other slot and no other row, and hidden slots cannot win")
+    return (f"OVERFLOW LEAKS on {where} ({len(failures)} cases, first: {failures[0]}): one "
+            "overflowing row can change other rows' results, so speculative decoding is NOT "
+            "guaranteed to equal greedy decoding on this backend")
