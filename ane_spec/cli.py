@@ -80,6 +80,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
     spec = preset(args.preset, num_layers=args.layers, hidden_size=args.hidden,
                   num_heads=args.heads, num_kv_heads=args.kv_heads, ffn_size=args.ffn,
                   vocab_size=args.vocab, rope_dims=args.rope_dims, embed_std=args.embed_std,
+                  arch=args.arch, head_dim=args.head_dim,
                   branch_scale=args.branch_scale, weight_type=args.weights, seed=args.seed,
                   tied_embeddings=False if args.untied else None)
     with tqdm(desc=f"writing {args.out}", unit="tensor", disable=args.quiet) as bar:
@@ -438,9 +439,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_backend_args(p)
     p.set_defaults(handler=cmd_logits)
 
-    p = sub.add_parser("synth", help="write a synthetic GGUF with the exact Phi-4-mini layout")
+    p = sub.add_parser("synth", help="write a synthetic GGUF with the exact layout of Phi-4-mini "
+                                     "or of a Llama 3 / Qwen 2.5 / Qwen 3 model")
     p.add_argument("out")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "phi4-mini"])
+    p.add_argument("--preset", default="tiny",
+                   choices=["tiny", "small", "phi4-mini", "llama-3.2-1b", "llama-3.2-3b",
+                            "qwen2.5-3b", "qwen3-4b"])
+    from ane_spec.model.architectures import ARCHITECTURES
+
+    p.add_argument("--arch", choices=list(ARCHITECTURES),
+                   help="architecture (default: the preset's)")
+    p.add_argument("--head-dim", type=int, help="head width when not hidden / heads (qwen3)")
     p.add_argument("--layers", type=int)
     p.add_argument("--hidden", type=int)
     p.add_argument("--heads", type=int)

@@ -40,7 +40,7 @@ from torch import nn
 
 from ane_spec.model.config import ModelConfig, longrope_attn_factor
 from ane_spec.model.gguf_file import open_gguf
-from ane_spec.model.gguf_writer import TensorSource, longrope_factor_tensors, write_phi3_gguf
+from ane_spec.model.gguf_writer import TensorSource, longrope_factor_tensors, write_gguf
 from ane_spec.model.reference import ReferenceModel, apply_rope, rms_norm
 from ane_spec.model.rope import make_rope_spec
 from ane_spec.model.stdlib_corpus import corpus_sha256, split, stdlib_corpus
@@ -354,7 +354,7 @@ def export(args, model: TinyPhi3, data: dict, c: ModelConfig, steps: int, wall: 
     tensors = longrope_factor_tensors(c)
     for name, values in model.gguf_tensors().items():
         tensors[name] = TensorSource.from_array(values, q8 if values.ndim == 2 else f32)
-    write_phi3_gguf(out, c, data["vocab"], tensors, name="tiny-code")
+    write_gguf(out, c, data["vocab"], tensors, name="tiny-code")
     verification = verify_export(model, out, data["held"], c)
     say(f"exported {out} ({out.stat().st_size / 2**20:.2f} MiB); reference on the GGUF vs the "
         f"trained model: min cosine {verification['min_cosine_vs_trained']:.6f}, argmax "

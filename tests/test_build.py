@@ -132,8 +132,8 @@ def test_bad_requests(tiny_gguf: Path, tmp_path: Path, kwargs: dict, message: st
 
 
 def test_unsupported_gguf(tiny_gguf: Path, tmp_path: Path) -> None:
-    bad = rewrite_gguf(tiny_gguf, tmp_path / "llama.gguf", arch="llama")
-    with pytest.raises(GGUFError, match="architecture"):
+    bad = rewrite_gguf(tiny_gguf, tmp_path / "gemma2.gguf", arch="gemma2")
+    with pytest.raises(GGUFError, match="architecture 'gemma2' is not supported"):
         build(bad, tmp_path / "art", BuildRequest(max_seq=S))
     assert not (tmp_path / "art").exists()
 

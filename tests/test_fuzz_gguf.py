@@ -258,7 +258,7 @@ def named_cases(base: Path, tmp: Path) -> list[tuple[str, bytes, str, str]]:
          "is an array of arrays"),
         ("binary architecture name",
          rewrite_gguf(base, tmp / "arch.gguf", arch=binary.decode("latin-1")).read_bytes(),
-         "inspect", "architecture is '"),
+         "inspect", "architecture '"),
         ("binary key name", insert_kv(data, binary.decode("latin-1"), 9,
                                       struct.pack("<IQ", 9, 1)), "inspect", "array of arrays"),
         ("0-dim tensor", zero_dim, "inspect", "missing tensor"),

@@ -96,8 +96,13 @@ def test_truncated_in_header(tiny_gguf: Path, tmp_path: Path) -> None:
 
 
 def test_wrong_architecture(tiny_gguf: Path, tmp_path: Path) -> None:
+    p = rewrite_gguf(tiny_gguf, tmp_path / "gemma2.gguf", arch="gemma2")
+    with pytest.raises(GGUFError, match="architecture 'gemma2' is not supported; supported: "
+                                        "phi3, llama, qwen2, qwen3"):
+        open_gguf(p)
+    # A phi3 file relabelled as a supported architecture fails on that architecture's keys.
     p = rewrite_gguf(tiny_gguf, tmp_path / "llama.gguf", arch="llama")
-    with pytest.raises(GGUFError, match="architecture is 'llama'"):
+    with pytest.raises(GGUFError, match="missing required key 'llama.embedding_length'"):
         open_gguf(p)
 
 

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 
 from ane_spec.errors import ConfigError
 from ane_spec.model.gguf_file import expected_tensor_shapes, open_gguf
-from ane_spec.model.gguf_writer import TensorSource, longrope_factor_tensors, write_phi3_gguf
+from ane_spec.model.gguf_writer import TensorSource, longrope_factor_tensors, write_gguf
 from ane_spec.model.synthetic import preset
 from ane_spec.model.vocab import build_synthetic_vocab
 
@@ -34,10 +34,12 @@ def setup():
 def test_arrays_round_trip(setup, tmp_path: Path) -> None:
     config, vocab = setup
     tensors = _tensors(config)
-    path = write_phi3_gguf(tmp_path / "m.gguf", config, vocab, tensors, name="tiny-code")
+    path = write_gguf(tmp_path / "m.gguf", config, vocab, tensors, name="tiny-code")
     m = open_gguf(path)
     # Float keys are stored as f32 (rms_eps, attention factor): equal up to that rounding.
-    assert m.config.model_dump() == pytest.approx(config.model_dump(), rel=1e-6)
+    read, written = m.config.model_dump(), config.model_dump()
+    assert read.pop("arch") == written.pop("arch") == "phi3"
+    assert read == pytest.approx(written, rel=1e-6)
     assert m.tokenizer_data == vocab
     assert m.metadata["general.name"] == "tiny-code" and m.file_type == "Q8_0"
     norm = tensors["blk.0.attn_norm.weight"].chunks().__next__()
@@ -53,7 +55,7 @@ def test_arrays_round_trip(setup, tmp_path: Path) -> None:
 def test_a_name_llama_cpp_would_reject_is_refused(setup, tmp_path: Path) -> None:
     config, vocab = setup
     with pytest.raises(ConfigError, match="phi3"):
-        write_phi3_gguf(tmp_path / "m.gguf", config, vocab, _tensors(config), name="my Phi3 model")
+        write_gguf(tmp_path / "m.gguf", config, vocab, _tensors(config), name="my Phi3 model")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -62,12 +64,12 @@ def test_wrong_tensors_are_refused(setup, tmp_path: Path) -> None:
     tensors = _tensors(config)
     del tensors["blk.0.ffn_down.weight"]
     with pytest.raises(ConfigError, match="missing.*ffn_down"):
-        write_phi3_gguf(tmp_path / "m.gguf", config, vocab, tensors, name="x")
+        write_gguf(tmp_path / "m.gguf", config, vocab, tensors, name="x")
     tensors = _tensors(config)
     tensors["output_norm.weight"] = TensorSource.from_array(np.ones(7), F32)
     with pytest.raises(ConfigError, match="output_norm.weight has shape"):
-        write_phi3_gguf(tmp_path / "m.gguf", config, vocab, tensors, name="x")
+        write_gguf(tmp_path / "m.gguf", config, vocab, tensors, name="x")
     with pytest.raises(ConfigError, match="512 tokens but the config says vocab_size 1024"):
-        write_phi3_gguf(tmp_path / "m.gguf", preset("tiny").to_config(), vocab, tensors,
+        write_gguf(tmp_path / "m.gguf", preset("tiny").to_config(), vocab, tensors,
                         name="x")
     assert list(tmp_path.iterdir()) == []

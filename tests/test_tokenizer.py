@@ -334,8 +334,8 @@ def test_incremental_detokenizer_skip_special(tok: Tokenizer) -> None:
 
 def test_tokenizer_data_validation(data: TokenizerData) -> None:
     base = data.model_dump()
-    with pytest.raises(TokenizerError, match="'llama-bpe' is not supported"):
-        TokenizerData(**{**base, "pre": "llama-bpe"})
+    with pytest.raises(TokenizerError, match="'tekken' is not supported"):
+        TokenizerData(**{**base, "pre": "tekken"})
     with pytest.raises(TokenizerError, match="'llama' is not supported"):
         TokenizerData(**{**base, "model": "llama"})
     with pytest.raises(TokenizerError, match="token types"):

@@ -41,7 +41,7 @@ from ane_spec.daemon.protocol import (
     TextPart, TokenizeRequest, Tool, dumps, error_body, finish_reason, logprobs_body, usage,
 )
 from ane_spec.daemon.tools import (
-    ToolCallParser, check_calls, template_messages, tool_call_grammar,
+    TOOL_CALL, ToolCallParser, check_calls, template_messages, tool_call_grammar,
 )
 from ane_spec.decode.grammar import Grammar, GrammarError
 from ane_spec.decode.grammar_limits import check_schema
@@ -263,6 +263,12 @@ def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest, kin
     tok, config, ctx = engine.tokenizer, engine.config, engine.context
     vocab = engine.pipeline.config.vocab_size
     uses_tools = kind == "chat" and body.uses_tools
+    if uses_tools and tok.id_of(TOOL_CALL) not in tok.markup_ids:
+        # Llama 3 (JSON) and Qwen (<tool_call> tags) call tools in formats of their own, which
+        # this server does not parse yet; Phi-4-mini's would only be text to them.
+        raise BadRequest(f"tools: this model ({engine.pipeline.config.arch}) has no {TOOL_CALL} "
+                         "token; tool calls are implemented for Phi-4-mini's format only",
+                         "tools")
     if kind == "chat":
         where = "messages"
         try:
@@ -330,7 +336,8 @@ def _chat_prompt(tok, messages: list[dict[str, Any]], special_in_content: bool) 
 
     kw = dict(template=tok.data.chat_template,
               eos_token=_token_text(tok, tok.eos_token_id, "<|endoftext|>"),
-              bos_token=_token_text(tok, tok.bos_token_id, "<|endoftext|>"))
+              bos_token=_token_text(tok, tok.bos_token_id, "<|endoftext|>"),
+              add_bos=tok.data.add_bos_token)
     try:
         if special_in_content:
             return tok.encode(render_chat(messages, **kw), special=True, add_special=True)

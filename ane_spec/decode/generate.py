@@ -19,14 +19,18 @@ from ane_spec.runtime.pipeline import ShardPipeline
 def prompt_tokens(pipeline: ShardPipeline, *, prompt: str | None = None,
                   messages: list[dict[str, Any]] | None = None) -> list[int]:
     """Raw text (special tokens written in it are parsed) or chat messages rendered with the
-    model's own template, as llama.cpp and HF do."""
+    model's own template, as llama.cpp and HF do. BOS is added where the vocabulary asks for it
+    (Llama 3; not Phi-4-mini or Qwen), as llama.cpp's completion does."""
     tok = pipeline.tokenizer
     if messages is not None:
-        text = render_chat(messages, template=pipeline.tokenizer_data.chat_template)
-        return tok.encode(text, special=True)
+        bos, eos = (tok.token_text(i) if i is not None else ""
+                    for i in (tok.bos_token_id, tok.eos_token_id))
+        text = render_chat(messages, template=pipeline.tokenizer_data.chat_template,
+                           bos_token=bos, eos_token=eos, add_bos=tok.data.add_bos_token)
+        return tok.encode(text, special=True, add_special=True)
     if prompt is None:
         raise AneSpecError("give a prompt or chat messages")
-    return tok.encode(prompt, special=True)
+    return tok.encode(prompt, special=True, add_special=True)
 
 
 def load_chat_file(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -199,7 +199,7 @@ class Manifest(_Strict):
             raise ValueError(f"rope.factors has {len(r.factors)} entries, expected "
                              f"{r.rope_dims // 2}")
         for name, v in (("freq_base", r.freq_base), ("attn_factor", r.attn_factor),
-                        *(("factors", f) for f in r.factors)):
+                        ("freq_scale", r.freq_scale), *(("factors", f) for f in r.factors)):
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"rope.{name} must be positive and finite, got {v}")
         return self

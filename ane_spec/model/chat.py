@@ -44,6 +44,12 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
                       sort_keys=sort_keys)
 
 
+def _strftime_now(fmt: str) -> str:
+    from datetime import datetime
+
+    return datetime.now().strftime(str(fmt))
+
+
 @lru_cache(maxsize=16)
 def _compile(template: str) -> Any:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -51,6 +57,10 @@ def _compile(template: str) -> Any:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = _raise_exception
+    # Llama 3.x templates date the system turn with it; HF transformers and llama.cpp's minja
+    # both provide it (with the current local date), and without it the template falls back
+    # to a fixed 2024 date, so prompts would differ from theirs.
+    env.globals["strftime_now"] = _strftime_now
     env.filters["tojson"] = _tojson
     return env.from_string(template)
 
@@ -88,12 +98,14 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
 
 def render_chat(messages: list[dict], *, template: str | None,
                 add_generation_prompt: bool = True, eos_token: str = "<|endoftext|>",
-                bos_token: str = "<|endoftext|>") -> str:
+                bos_token: str = "<|endoftext|>", add_bos: bool = False) -> str:
     """Render `messages` ({"role", "content"[, "tools"]} dicts) with `template`; a content
     given as a list of pieces (text and `Markup`) is joined.
 
     `template=None` means the GGUF had no `tokenizer.chat_template`: Phi-4-mini's own is used.
     With it, a system message's "tools" (a JSON string) goes between <|tool|> and <|/tool|>.
+    `add_bos`: the prompt will be tokenized with BOS added (Llama 3), so a BOS the template
+    writes first is dropped, as llama.cpp's common_chat_templates_apply does.
     Template syntax errors and errors while rendering (a non-string content where the template
     concatenates, a `raise_exception` call, a sandbox violation) become `TokenizerError`.
     """
@@ -107,8 +119,10 @@ def render_chat(messages: list[dict], *, template: str | None,
     except TemplateSyntaxError as exc:
         raise TokenizerError(f"the chat template does not parse: {exc}") from None
     try:
-        return compiled.render(messages=msgs, add_generation_prompt=add_generation_prompt,
+        text = compiled.render(messages=msgs, add_generation_prompt=add_generation_prompt,
                                eos_token=eos_token, bos_token=bos_token)
+        return text[len(bos_token):] if add_bos and bos_token and text.startswith(
+            bos_token) else text
     except _TemplateRaised as exc:
         raise TokenizerError(f"the chat template refused the messages: {exc}") from None
     except Exception as exc:  # a GGUF's template is user input: any failure is the user's
@@ -118,7 +132,8 @@ def render_chat(messages: list[dict], *, template: str | None,
 
 def render_chat_pieces(messages: list[dict], *, template: str | None,
                        add_generation_prompt: bool = True, eos_token: str = "<|endoftext|>",
-                       bos_token: str = "<|endoftext|>") -> list[tuple[str, bool]]:
+                       bos_token: str = "<|endoftext|>", add_bos: bool = False
+                       ) -> list[tuple[str, bool]]:
     """`render_chat`'s prompt as (text, is_markup) pieces. Each message's "content" and "tools"
     is text (a plain str, or a list of str and `Markup`); everything the template adds around
     them is markup.
@@ -146,7 +161,7 @@ def render_chat_pieces(messages: list[dict], *, template: str | None,
         return "".join(out)
 
     kw = dict(template=template, add_generation_prompt=add_generation_prompt,
-              eos_token=eos_token, bos_token=bos_token)
+              eos_token=eos_token, bos_token=bos_token, add_bos=add_bos)
     plain = render_chat(messages, **kw)
     wrapped = render_chat([m | {k: marked(m[k]) for k in ("content", "tools")
                                 if m.get(k) is not None} for m in messages], **kw)

@@ -1,4 +1,7 @@
-"""Phi-4-mini hyper-parameters as read from GGUF metadata (llama.cpp architecture `phi3`)."""
+"""Model hyper-parameters as read from GGUF metadata, the way llama.cpp's loader reads them.
+
+`arch` names the architecture (architectures/); the keys are `<arch>.*` for every family.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +10,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from ane_spec.errors import ConfigError, describe
+from ane_spec.errors import ConfigError, describe, untrusted
+from ane_spec.model.architectures import ARCHITECTURES, Architecture
 
-ARCH = "phi3"
+ARCH = "phi3"  # the flagship's architecture, the default of every config
+# `rope.scaling.type` values the RoPE tables here reproduce. yarn changes theta per dimension
+# and scales attention; it is refused rather than run wrongly.
+_ROPE_SCALING_TYPES = ("none", "linear")
 
 
 class ModelConfig(BaseModel):
@@ -34,6 +41,9 @@ class ModelConfig(BaseModel):
     rope_attn_factor: float = 1.0
     rms_eps: float = 1e-5
     tied_embeddings: bool = True
+    arch: str = ARCH
+    # llama.cpp's freq_scale = 1 / rope.scaling.factor (linear scaling); 1.0 without the key.
+    rope_freq_scale: float = 1.0
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "ModelConfig":
@@ -43,27 +53,34 @@ class ModelConfig(BaseModel):
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_heads * self.head_dim != self.hidden_size:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) x head_dim ({self.head_dim}) != hidden_size "
-                f"({self.hidden_size})")
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"architecture {self.arch!r} is not supported; supported: "
+                             f"{', '.join(ARCHITECTURES)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
         if self.rope_dims % 2 or self.rope_dims > self.head_dim:
             raise ValueError(f"rope_dims ({self.rope_dims}) must be even and <= head_dim "
                              f"({self.head_dim})")
+        if self.rope_dims != self.head_dim and not self.architecture.partial_rotary:
+            # llama.cpp: "invalid n_rot" (llama) or GGML_ASSERT(n_embd_head == n_rot) (qwen2/3).
+            raise ValueError(f"rope_dims ({self.rope_dims}) must equal head_dim "
+                             f"({self.head_dim}) for architecture {self.arch}")
         # Q8_0 blocks are 32 wide along the input axis of every matrix.
-        for name in ("hidden_size", "ffn_size"):
+        for name in ("hidden_size", "ffn_size", "q_dim"):
             if getattr(self, name) % 32:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be a multiple of 32")
         if not (self.rms_eps > 0 and math.isfinite(self.rms_eps)):
             raise ValueError(f"rms_eps must be a positive finite number, got {self.rms_eps}")
-        for name in ("rope_attn_factor", "rope_freq_base"):
+        for name in ("rope_attn_factor", "rope_freq_base", "rope_freq_scale"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a positive finite number, got {value}")
         return self
+
+    @property
+    def architecture(self) -> Architecture:
+        return ARCHITECTURES[self.arch]
 
     @property
     def gqa_group(self) -> int:
@@ -75,21 +92,33 @@ class ModelConfig(BaseModel):
         return self.num_kv_heads * self.head_dim
 
     @property
+    def q_dim(self) -> int:
+        """Query width, num_heads x head_dim: hidden_size except where key_length says otherwise
+        (Qwen3-4B: 32 x 128 = 4096 on a 2560-wide residual stream)."""
+        return self.num_heads * self.head_dim
+
+    @property
     def qkv_rows(self) -> int:
-        return self.hidden_size + 2 * self.kv_dim
+        return self.q_dim + 2 * self.kv_dim
 
     def num_parameters(self) -> int:
-        d, f = self.hidden_size, self.ffn_size
-        per_layer = 2 * d + self.qkv_rows * d + d * d + 2 * f * d + d * f
+        d, f, a = self.hidden_size, self.ffn_size, self.architecture
+        per_layer = 2 * d + self.qkv_rows * d + self.q_dim * d + 2 * f * d + d * f
+        per_layer += (self.qkv_rows if a.qkv_bias else 0) + (2 * self.head_dim if a.qk_norm else 0)
         head = 0 if self.tied_embeddings else self.vocab_size * d
         # Counted like HF's num_parameters: the LongRoPE factor tables are buffers, not weights.
         return self.vocab_size * d + d + self.num_layers * per_layer + head
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], *, vocab_size: int,
-                           tied_embeddings: bool) -> "ModelConfig":
-        """Map `phi3.*` keys to a validated config, naming the key on any problem."""
-        p = ARCH + "."
+                           tied_embeddings: bool, arch: str = ARCH) -> "ModelConfig":
+        """Map `<arch>.*` keys to a validated config, naming the key on any problem.
+
+        Defaults are llama.cpp's (llama_model::load_hparams): head_dim = key_length or
+        hidden / heads, rope dims = rope.dimension_count or head_dim, freq_scale =
+        1 / rope.scaling.factor, attention factor 1.
+        """
+        p = arch + "."
 
         def value(key: str, kind: type, default: Any) -> Any:
             if p + key not in meta:
@@ -108,10 +137,27 @@ class ModelConfig(BaseModel):
 
         hidden = need("embedding_length")
         heads = need("attention.head_count")
-        if heads <= 0 or hidden % heads:
+        if p + "attention.key_length" in meta:
+            head_dim = need("attention.key_length")
+            if head_dim <= 0:
+                raise ConfigError(f"'{p}attention.key_length' must be positive, got {head_dim}")
+        elif heads <= 0 or hidden % heads:
             raise ConfigError(f"'{p}attention.head_count' ({heads}) does not divide "
                               f"'{p}embedding_length' ({hidden})")
-        head_dim = hidden // heads
+        else:
+            head_dim = hidden // heads
+        value_dim = value("attention.value_length", int, head_dim)
+        if value_dim != head_dim:
+            raise ConfigError(f"'{p}attention.value_length' ({value_dim}) differs from the key "
+                              f"length ({head_dim}); every supported graph needs them equal")
+        scaling = meta.get(p + "rope.scaling.type", "none")
+        allowed = _ROPE_SCALING_TYPES + (
+            ("longrope",) if ARCHITECTURES.get(arch) and ARCHITECTURES[arch].rope_factors
+            == "longrope" else ())
+        if scaling not in allowed:
+            raise ConfigError(f"'{p}rope.scaling.type' is {untrusted(scaling)}; supported: "
+                              f"{', '.join(allowed)}")
+        factor = value("rope.scaling.factor", float, 0.0) or value("rope.scale_linear", float, 0.0)
         context = need("context_length")
         values = dict(
             hidden_size=hidden,
@@ -129,6 +175,8 @@ class ModelConfig(BaseModel):
             rope_attn_factor=value("rope.scaling.attn_factor", float, 1.0),
             rms_eps=need("attention.layer_norm_rms_epsilon", float),
             tied_embeddings=tied_embeddings,
+            arch=arch,
+            rope_freq_scale=1.0 / factor if factor else 1.0,
         )
         try:
             return cls(**values)

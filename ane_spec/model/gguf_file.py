@@ -1,4 +1,4 @@
-"""Read a Phi-4-mini GGUF file: validated config, lazy tensors, tokenizer data.
+"""Read a GGUF file of a supported architecture: validated config, lazy tensors, tokenizer data.
 
 The file is memory-mapped once (gguf_format.py); every tensor accessor returns a view into that
 map, so opening even a 4 GB file costs only its metadata. Validation happens up front so that a
@@ -23,11 +23,12 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from pydantic import ValidationError
 
 from ane_spec.errors import ConfigError, GGUFError, TokenizerError, describe, untrusted
-from ane_spec.model.config import ARCH, ModelConfig, first_error
+from ane_spec.model.architectures import get_architecture
+from ane_spec.model.config import ModelConfig, first_error
 from ane_spec.model.gguf_format import GGUFContents, file_identity, read_gguf
 from ane_spec.model.quant import bf16_to_float32, q8_0_blocks, q8_0_dequantize
 from ane_spec.model.rope import RopeSpec, make_rope_spec
-from ane_spec.model.tokenizer import TokenizerData
+from ane_spec.model.tokenizer import TokenizerData, default_add_bos
 
 SUPPORTED_TYPES = {
     GGMLQuantizationType.F32: "F32",
@@ -117,17 +118,18 @@ class Tensor:
 
 
 def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a phi3 file must hold, with its numpy shape."""
+    """Every tensor a file of `config.arch` must hold, with its numpy shape (llama.cpp's
+    load_arch_tensors; optional tensors are in `optional_tensor_shapes`)."""
     shapes = _model_tensor_shapes(config)
     for i in range(config.num_layers):
-        shapes |= _layer_tensor_shapes(config, i)
+        shapes |= layer_tensor_shapes(config, i)
     return shapes
 
 
 def expected_tensor_count(config: ModelConfig) -> int:
     """len(expected_tensor_shapes(config)), without listing num_layers layers' names."""
     return len(_model_tensor_shapes(config)) + config.num_layers * len(
-        _layer_tensor_shapes(config, 0))
+        layer_tensor_shapes(config, 0))
 
 
 def _model_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -141,23 +143,40 @@ def _model_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _layer_tensor_shapes(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
-    d, f = config.hidden_size, config.ffn_size
-    return {
-        f"blk.{i}.attn_norm.weight": (d,),
-        f"blk.{i}.attn_qkv.weight": (config.qkv_rows, d),
-        f"blk.{i}.attn_output.weight": (d, d),
-        f"blk.{i}.ffn_norm.weight": (d,),
-        f"blk.{i}.ffn_up.weight": (2 * f, d),
-        f"blk.{i}.ffn_down.weight": (d, f),
-    }
+def layer_tensor_shapes(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """The tensors of layer `i` for `config.arch`, with their numpy shapes."""
+    a, d, f = config.architecture, config.hidden_size, config.ffn_size
+    q, kv, p = config.q_dim, config.kv_dim, f"blk.{i}."
+    shapes: dict[str, tuple[int, ...]] = {p + "attn_norm.weight": (d,)}
+    if a.fused_qkv:
+        shapes[p + "attn_qkv.weight"] = (config.qkv_rows, d)
+    else:
+        shapes |= {p + "attn_q.weight": (q, d), p + "attn_k.weight": (kv, d),
+                   p + "attn_v.weight": (kv, d)}
+    if a.qkv_bias:
+        shapes |= {p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)}
+    if a.qk_norm:
+        shapes |= {p + "attn_q_norm.weight": (config.head_dim,),
+                   p + "attn_k_norm.weight": (config.head_dim,)}
+    shapes |= {p + "attn_output.weight": (d, q), p + "ffn_norm.weight": (d,)}
+    if a.fused_gate_up:
+        shapes[p + "ffn_up.weight"] = (2 * f, d)
+    else:
+        shapes |= {p + "ffn_gate.weight": (f, d), p + "ffn_up.weight": (f, d)}
+    shapes[p + "ffn_down.weight"] = (d, f)
+    return shapes
 
 
-OPTIONAL_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+def optional_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """RoPE frequency-factor tensors the architecture may carry: `[rope_dims / 2]` each."""
+    half = (config.rope_dims // 2,)
+    return {"longrope": {"rope_factors_long.weight": half, "rope_factors_short.weight": half},
+            "freqs": {"rope_freqs.weight": half},
+            "none": {}}[config.architecture.rope_factors]
 
 
 class GGUFModel:
-    """An opened, validated Phi-4-mini GGUF file."""
+    """An opened, validated GGUF file of a supported architecture."""
 
     def __init__(self, path: Path, contents: GGUFContents, tensors: dict[str, Tensor],
                  config: ModelConfig):
@@ -203,15 +222,24 @@ class GGUFModel:
         return t.dequantize(np.float32)
 
     def rope_spec(self, context_window: int) -> RopeSpec:
-        """RoPE for a context window; the window picks the factor set, as in llama.cpp."""
+        """RoPE for a context window; for LongRoPE the window picks the factor set, as in
+        llama.cpp; llama's `rope_freqs` apply at every window."""
         c = self.config
         if not 0 < context_window <= c.context_length:
             raise ConfigError(f"context window {context_window} is outside 1..{c.context_length} "
                               "(the model's context_length)")
-        return make_rope_spec(
-            rope_dims=c.rope_dims, freq_base=c.rope_freq_base, attn_factor=c.rope_attn_factor,
-            original_context_length=c.original_context_length, context_window=context_window,
-            short_factors=self.rope_factors("short"), long_factors=self.rope_factors("long"))
+        common = dict(rope_dims=c.rope_dims, freq_base=c.rope_freq_base,
+                      attn_factor=c.rope_attn_factor, freq_scale=c.rope_freq_scale,
+                      original_context_length=c.original_context_length,
+                      context_window=context_window)
+        if c.architecture.rope_factors == "longrope":
+            return make_rope_spec(**common, short_factors=self.rope_factors("short"),
+                                  long_factors=self.rope_factors("long"))
+        freqs = self.tensors.get("rope_freqs.weight")
+        factors = (freqs.dequantize(np.float32) if freqs is not None
+                   else np.ones(c.rope_dims // 2, dtype=np.float32))
+        return make_rope_spec(**common, short_factors=factors, long_factors=factors,
+                              factor_set="freqs" if freqs is not None else "none")
 
     @cached_property
     def tokenizer_data(self) -> TokenizerData:
@@ -219,7 +247,8 @@ class GGUFModel:
 
     @property
     def file_type(self) -> str:
-        types = {t.type_name for n, t in self.tensors.items() if n.endswith("attn_qkv.weight")}
+        types = {t.type_name for n, t in self.tensors.items()
+                 if n.endswith(("attn_qkv.weight", "attn_q.weight"))}
         return "/".join(sorted(types)) or "unknown"
 
     def content_hashes(self) -> tuple[str, dict[str, str]]:
@@ -257,7 +286,7 @@ class GGUFModel:
 
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFModel:
-    """Open and validate a GGUF file as a Phi-4-mini (`phi3`) model."""
+    """Open and validate a GGUF file of a supported architecture (architectures/)."""
     path = Path(path)
     if not path.exists():
         raise GGUFError(f"{path}: no such file")
@@ -265,10 +294,10 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFModel:
         raise GGUFError(f"{path}: not a regular file")
     contents = read_gguf(os.fspath(path), path.name)
     metadata = contents.metadata
-    arch = metadata.get("general.architecture")
-    if arch != ARCH:
-        raise GGUFError(f"{path.name}: architecture is {untrusted(arch)}; only '{ARCH}' "
-                        "(Phi-3/Phi-4-mini) is supported")
+    try:
+        arch = get_architecture(metadata.get("general.architecture")).name
+    except GGUFError as exc:
+        raise GGUFError(f"{path.name}: {exc}") from None
 
     tensors = _map_tensors(contents, path.name)
     if "token_embd.weight" not in tensors:
@@ -284,7 +313,8 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFModel:
     vocab = len(tokens) if tokens is not None else tensors["token_embd.weight"].shape[0]
     try:
         config = ModelConfig.from_gguf_metadata(
-            metadata, vocab_size=vocab, tied_embeddings="output.weight" not in tensors)
+            metadata, vocab_size=vocab, tied_embeddings="output.weight" not in tensors,
+            arch=arch)
     except ConfigError as exc:
         raise GGUFError(f"{path.name}: {exc}") from None
     _check_tensor_shapes(tensors, config, path.name)
@@ -317,7 +347,7 @@ def _check_tensor_shapes(tensors: dict[str, Tensor], config: ModelConfig, name: 
     # Count first: block_count = 2^31 must not make us list 13 billion expected tensor names.
     needed = expected_tensor_count(config)
     if needed > len(tensors):
-        raise GGUFError(f"{name}: {ARCH}.block_count is {config.num_layers:,}, which needs "
+        raise GGUFError(f"{name}: {config.arch}.block_count is {config.num_layers:,}, which needs "
                         f"{needed:,} tensors; the file has {len(tensors):,}")
     for tname, shape in expected_tensor_shapes(config).items():
         t = tensors.get(tname)
@@ -325,11 +355,10 @@ def _check_tensor_shapes(tensors: dict[str, Tensor], config: ModelConfig, name: 
             raise GGUFError(f"{name}: missing tensor '{tname}' (expected shape {shape})")
         if t.shape != shape:
             raise GGUFError(f"{name}: tensor '{tname}' has shape {t.shape}, expected {shape}")
-    for tname in OPTIONAL_TENSORS:
+    for tname, shape in optional_tensor_shapes(config).items():
         t = tensors.get(tname)
-        if t is not None and t.shape != (config.rope_dims // 2,):
-            raise GGUFError(f"{name}: tensor '{tname}' has shape {t.shape}, expected "
-                            f"({config.rope_dims // 2},)")
+        if t is not None and t.shape != shape:
+            raise GGUFError(f"{name}: tensor '{tname}' has shape {t.shape}, expected {shape}")
 
 
 def tokenizer_data_from_metadata(meta: dict[str, Any], source: str) -> TokenizerData:
@@ -358,9 +387,10 @@ def tokenizer_data_from_metadata(meta: dict[str, Any], source: str) -> Tokenizer
         return value
 
     tokens = array("tokens", str, "strings")
+    pre = get("pre", str, "a string", "gpt-4o")
     fields = dict(
         model=get("model", str, "a string", "gpt2"),
-        pre=get("pre", str, "a string", "gpt-4o"),
+        pre=pre,
         tokens=tokens,
         token_types=array("token_type", int, "integers", [1] * len(tokens)),
         merges=array("merges", str, "strings", []),
@@ -368,7 +398,7 @@ def tokenizer_data_from_metadata(meta: dict[str, Any], source: str) -> Tokenizer
         eos_token_id=get("eos_token_id", int, "an integer"),
         unknown_token_id=get("unknown_token_id", int, "an integer"),
         padding_token_id=get("padding_token_id", int, "an integer"),
-        add_bos_token=get("add_bos_token", bool, "a boolean", False),
+        add_bos_token=get("add_bos_token", bool, "a boolean", default_add_bos(pre)),
         add_eos_token=get("add_eos_token", bool, "a boolean", False),
         chat_template=get("tokenizer.chat_template", str, "a string"),
     )

@@ -1,8 +1,9 @@
-"""Write a phi3 GGUF file with exactly the metadata and tensor layout of Phi-4-mini's.
+"""Write a GGUF file with the metadata keys and tensor layout llama.cpp reads for `config.arch`.
 
-The one GGUF writer of the project: the synthetic fixtures (random weights, `synthetic.py`) and
-the trained tiny model (`scripts/train_tiny_model.py`) both go through `write_phi3_gguf`, so
-they share every key, tensor order and encoding. Tensors arrive as row-chunk generators and are
+For phi3 that is exactly Phi-4-mini's layout. The one GGUF writer of the project: the synthetic
+fixtures (random weights, `synthetic.py`) and the trained tiny model
+(`scripts/train_tiny_model.py`) both go through `write_gguf`, so they share every key, tensor
+order and encoding. Tensors arrive as row-chunk generators and are
 encoded and written one chunk at a time, so a 3.8B-parameter file needs a few hundred MB.
 """
 
@@ -14,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import quantize as gguf_quantize
 
 from ane_spec.errors import ConfigError
 from ane_spec.model.config import ModelConfig
-from ane_spec.model.gguf_file import OPTIONAL_TENSORS, expected_tensor_shapes
+from ane_spec.model.gguf_file import expected_tensor_shapes, optional_tensor_shapes
 from ane_spec.model.quant import Q8_0_BLOCK, Q8_0_BLOCK_BYTES, q8_0_quantize
 from ane_spec.model.tokenizer import TokenizerData
 
@@ -57,7 +58,30 @@ def longrope_factor_tensors(config: ModelConfig) -> dict[str, TensorSource]:
             "rope_factors_short.weight": TensorSource.from_array(np.ones(half), f32)}
 
 
-def write_phi3_gguf(path: str | os.PathLike[str], config: ModelConfig, vocab: TokenizerData,
+def llama3_rope_freqs(config: ModelConfig, factor: float = 32.0, low_freq_factor: float = 1.0,
+                      high_freq_factor: float = 4.0, original_context: int = 8192
+                      ) -> dict[str, TensorSource]:
+    """Llama 3.1+'s `rope_freqs.weight`, computed as convert_hf_to_gguf does for
+    rope_type "llama3": 1 for high frequencies, `factor` for low ones, smooth in between."""
+    half = config.rope_dims // 2
+    freqs = config.rope_freq_base ** -(np.arange(0, config.rope_dims, 2) / config.rope_dims)
+    low_wavelen = original_context / low_freq_factor
+    high_wavelen = original_context / high_freq_factor
+    out = np.empty(half)
+    for j, freq in enumerate(freqs):
+        wavelen = 2 * np.pi / freq
+        if wavelen < high_wavelen:
+            out[j] = 1.0
+        elif wavelen > low_wavelen:
+            out[j] = factor
+        else:
+            smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor
+                                                                       - low_freq_factor)
+            out[j] = 1 / ((1 - smooth) / factor + smooth)
+    return {"rope_freqs.weight": TensorSource.from_array(out, GGMLQuantizationType.F32)}
+
+
+def write_gguf(path: str | os.PathLike[str], config: ModelConfig, vocab: TokenizerData,
                     tensors: Mapping[str, TensorSource], *, name: str,
                     progress: Callable[[str, int, int], None] | None = None) -> Path:
     """Write a phi3 GGUF at `path` atomically (a temp file renamed at the end).
@@ -73,7 +97,7 @@ def write_phi3_gguf(path: str | os.PathLike[str], config: ModelConfig, vocab: To
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.partial")
     try:
-        writer = GGUFWriter(tmp, "phi3")
+        writer = GGUFWriter(tmp, config.arch)
         _add_metadata(writer, config, vocab, name, file_type)
         for tname, t in tensors.items():
             writer.add_tensor_info(tname, _stored_shape(t.shape, t.qtype), _stored_dtype(t.qtype),
@@ -114,12 +138,12 @@ def _check_tensors(config: ModelConfig, vocab: TokenizerData,
     if len(vocab.tokens) != config.vocab_size:
         raise ConfigError(f"the vocabulary has {len(vocab.tokens)} tokens but the config says "
                           f"vocab_size {config.vocab_size}")
-    half = config.rope_dims // 2
-    expected = {name: (half,) for name in OPTIONAL_TENSORS} | expected_tensor_shapes(config)
-    if set(tensors) != set(expected):
-        missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
-        raise ConfigError(f"tensor set differs from the phi3 layout: missing {missing[:3]}, "
-                          f"unexpected {extra[:3]}")
+    required = expected_tensor_shapes(config)
+    expected = optional_tensor_shapes(config) | required
+    missing, extra = sorted(set(required) - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing or extra:
+        raise ConfigError(f"tensor set differs from the {config.arch} layout: missing "
+                          f"{missing[:3]}, unexpected {extra[:3]}")
     for tname, t in tensors.items():
         if t.shape != expected[tname]:
             raise ConfigError(f"tensor {tname} has shape {t.shape}, expected {expected[tname]}")
@@ -139,12 +163,21 @@ def _add_metadata(w: GGUFWriter, c: ModelConfig, vocab: TokenizerData, name: str
     w.add_block_count(c.num_layers)
     w.add_head_count(c.num_heads)
     w.add_head_count_kv(c.num_kv_heads)
+    if c.q_dim != c.hidden_size:
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
     w.add_layer_norm_rms_eps(c.rms_eps)
     w.add_rope_dimension_count(c.rope_dims)
     w.add_rope_freq_base(c.rope_freq_base)
-    w.add_rope_scaling_attn_factors(c.rope_attn_factor)
-    w.add_rope_scaling_orig_ctx_len(c.original_context_length)
-    w.add_sliding_window(262144)
+    if c.rope_freq_scale != 1.0:
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(1.0 / c.rope_freq_scale)
+    if c.architecture.rope_factors == "longrope":  # Phi-4-mini's keys, as its converter writes
+        w.add_rope_scaling_attn_factors(c.rope_attn_factor)
+        w.add_rope_scaling_orig_ctx_len(c.original_context_length)
+        w.add_sliding_window(262144)
+    elif c.rope_attn_factor != 1.0:
+        w.add_rope_scaling_attn_factors(c.rope_attn_factor)
 
     w.add_tokenizer_model(vocab.model)
     w.add_tokenizer_pre(vocab.pre)

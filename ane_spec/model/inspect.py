@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from ane_spec.model.gguf_file import GGUFModel
+from ane_spec.model.gguf_file import GGUFModel, optional_tensor_shapes
 from ane_spec.model.tokenizer import Tokenizer
 
 
@@ -16,6 +16,12 @@ def describe(model: GGUFModel) -> dict[str, Any]:
     return {
         "path": str(model.path),
         "file_bytes": model.path.stat().st_size,
+        "architecture": {"name": model.config.arch, "title": model.config.architecture.title,
+                         "quirks": list(model.config.architecture.quirks),
+                         "rope_type": model.config.architecture.rope_type,
+                         "rope_factor_tensors": sorted(
+                             n for n in optional_tensor_shapes(model.config)
+                             if n in model.tensors)},
         "config": model.config.model_dump(),
         "parameters": model.config.num_parameters(),
         "tensors": {"count": len(model.tensors), "types": dict(sorted(types.items())),
@@ -26,14 +32,19 @@ def describe(model: GGUFModel) -> dict[str, Any]:
             "special_tokens": sum(1 for t in data.token_types if t in (3, 4)),
             "eog_ids": sorted(tok.eog_ids),
             "chat_template": "from GGUF" if data.chat_template else "built-in Phi-4-mini",
+            "add_bos": data.add_bos_token,
         },
     }
 
 
 def format_description(d: dict[str, Any]) -> str:
     c = d["config"]
+    a = d["architecture"]
     lines = [
         f"{d['path']}  ({d['file_bytes'] / 1e6:,.1f} MB, {d['parameters'] / 1e9:.3f}B params)",
+        f"  architecture {a['name']} ({a['title']}): " + "; ".join(a["quirks"])
+        + f"; RoPE {a['rope_type'].upper()}, factor tensors: "
+        + (", ".join(a["rope_factor_tensors"]) or "none"),
         f"  layers {c['num_layers']}, hidden {c['hidden_size']}, heads {c['num_heads']}/"
         f"{c['num_kv_heads']} kv, head_dim {c['head_dim']}, rotary {c['rope_dims']}, "
         f"ffn {c['ffn_size']}, vocab {c['vocab_size']}",
@@ -47,5 +58,6 @@ def format_description(d: dict[str, Any]) -> str:
     t = d["tokenizer"]
     lines.append(f"  tokenizer: {t['model']}/{t['pre']}, {t['vocab_size']} tokens, "
                  f"{t['merges']} merges, {t['special_tokens']} special, eog {t['eog_ids']}, "
+                 f"{'BOS added' if t['add_bos'] else 'no BOS'}, "
                  f"chat template {t['chat_template']}")
     return "\n".join(lines)

@@ -1,16 +1,19 @@
-"""The reference forward pass: llama.cpp's `phi3` graph in plain torch.
+"""The reference forward pass: llama.cpp's phi3 / llama / qwen2 / qwen3 graphs in plain torch.
 
 This is the oracle every shard is checked against, so it shares nothing with the compiler except
-the model contract (config, tensors, RoPE tables). It is written for clarity, not speed.
+the model contract (config, architecture description, tensors, RoPE tables). It is written for
+clarity, not speed.
 
     h = token_embd[tokens]
     for each layer:
-        a = rmsnorm(h, attn_norm); q, k, v = split(a @ attn_qkv.T)
-        q, k = rope(q), rope(k)                      # first rope_dims of each head, NEOX halves
+        a = rmsnorm(h, attn_norm)
+        q, k, v = a @ attn_qkv.T split, or a @ attn_{q,k,v}.T (+ attn_{q,k,v}.bias)   qwen2
+        q, k = rmsnorm_per_head(q, attn_q_norm), rmsnorm_per_head(k, attn_k_norm)      qwen3
+        q, k = rope(q), rope(k)         # NEOX halves (phi3: first rope_dims only) or NORM pairs
         h = h + attn(q / sqrt(head_dim), k, v) @ attn_output.T
-        g, u = split(rmsnorm(h, ffn_norm) @ ffn_up.T)
+        g, u = split(n @ ffn_up.T) or n @ ffn_gate.T, n @ ffn_up.T;  n = rmsnorm(h, ffn_norm)
         h = h + (silu(g) * u) @ ffn_down.T
-    logits = rmsnorm(h, output_norm) @ head.T
+    logits = rmsnorm(h, output_norm) @ (output or token_embd).T
 """
 
 from __future__ import annotations
@@ -44,6 +47,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2, tail = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
     c, s = cos[:, None, :], sin[:, None, :]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, tail], dim=-1)
+
+
+def apply_rope_norm(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NORM RoPE (llama.cpp's LLAMA_ROPE_TYPE_NORM): pair j is dims (2j, 2j+1), rotated by
+    theta_j; dims past 2*cos.shape[-1] pass through."""
+    rot = 2 * cos.shape[-1]
+    pairs = x[..., :rot].unflatten(-1, (-1, 2))
+    x1, x2 = pairs[..., 0], pairs[..., 1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    rotated = torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(-2)
+    return torch.cat([rotated, x[..., rot:]], dim=-1)
 
 
 WeightTransform = Callable[[str, np.ndarray], np.ndarray]
@@ -106,6 +120,8 @@ class ReferenceModel:
             materialize = c.num_parameters() * torch.finfo(dtype).bits // 8 <= MATERIALIZE_LIMIT_BYTES
         self.w = Weights(gguf, dtype, materialize, weight_transform)
         self.head_name = "output.weight" if not c.tied_embeddings else "token_embd.weight"
+        self.arch = c.architecture
+        self.rope_fn = apply_rope if self.arch.rope_type == "neox" else apply_rope_norm
 
     def new_cache(self) -> KVCache:
         c = self.config
@@ -146,11 +162,14 @@ class ReferenceModel:
         c, w, n = self.config, self.w, h.shape[0]
         start = cache.length
         a = rms_norm(h, w(f"blk.{i}.attn_norm.weight"), c.rms_eps)
-        qkv = a @ w(f"blk.{i}.attn_qkv.weight").T
-        q, k, v = qkv.split([c.hidden_size, c.kv_dim, c.kv_dim], dim=-1)
-        q = apply_rope(q.reshape(n, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rope(k.reshape(n, c.num_kv_heads, c.head_dim), cos, sin)
+        q, k, v = self._qkv(i, a)
+        q = q.reshape(n, c.num_heads, c.head_dim)
+        k = k.reshape(n, c.num_kv_heads, c.head_dim)
         v = v.reshape(n, c.num_kv_heads, c.head_dim)
+        if self.arch.qk_norm:
+            q = rms_norm(q, w(f"blk.{i}.attn_q_norm.weight"), c.rms_eps)
+            k = rms_norm(k, w(f"blk.{i}.attn_k_norm.weight"), c.rms_eps)
+        q, k = self.rope_fn(q, cos, sin), self.rope_fn(k, cos, sin)
 
         cache.k[i][:, start:start + n] = k.transpose(0, 1)
         cache.v[i][:, start:start + n] = v.transpose(0, 1)
@@ -160,12 +179,26 @@ class ReferenceModel:
         scores = (q.transpose(0, 1) / math.sqrt(c.head_dim)) @ keys.transpose(1, 2)
         scores = scores.masked_fill(~mask, float("-inf"))
         o = torch.softmax(scores, dim=-1) @ values          # [heads, T, head_dim]
-        o = o.transpose(0, 1).reshape(n, c.hidden_size)     # channel = head * head_dim + d
+        o = o.transpose(0, 1).reshape(n, c.q_dim)           # channel = head * head_dim + d
         h = h + o @ w(f"blk.{i}.attn_output.weight").T
 
-        f = rms_norm(h, w(f"blk.{i}.ffn_norm.weight"), c.rms_eps) @ w(f"blk.{i}.ffn_up.weight").T
-        g, u = f.split(c.ffn_size, dim=-1)
+        f = rms_norm(h, w(f"blk.{i}.ffn_norm.weight"), c.rms_eps)
+        if self.arch.fused_gate_up:
+            g, u = (f @ w(f"blk.{i}.ffn_up.weight").T).split(c.ffn_size, dim=-1)
+        else:
+            g, u = f @ w(f"blk.{i}.ffn_gate.weight").T, f @ w(f"blk.{i}.ffn_up.weight").T
         return h + (F.silu(g) * u) @ w(f"blk.{i}.ffn_down.weight").T
+
+    def _qkv(self, i: int, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c, w = self.config, self.w
+        if self.arch.fused_qkv:
+            qkv = a @ w(f"blk.{i}.attn_qkv.weight").T
+            return qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
+        out = []
+        for part in ("q", "k", "v"):
+            x = a @ w(f"blk.{i}.attn_{part}.weight").T
+            out.append(x + w(f"blk.{i}.attn_{part}.bias") if self.arch.qkv_bias else x)
+        return out[0], out[1], out[2]
 
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
         """Logits `[T, vocab]` for `tokens` processed from position 0, as float32."""

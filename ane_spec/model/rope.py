@@ -1,4 +1,9 @@
-"""Partial NEOX RoPE with LongRoPE factors, as llama.cpp's `phi3` graph applies it.
+"""RoPE cos/sin tables as llama.cpp's ggml_rope_ext computes them (ext_factor 0: no yarn).
+
+theta_j = pos * freq_scale * base^(-2j/rope_dims) / factor_j, cos and sin times attn_factor.
+The factors are phi3's LongRoPE set chosen by the context window, llama 3.1's `rope_freqs`, or
+all ones. Which dims a pair j rotates (NEOX halves or NORM neighbours) is the architecture's
+business; the tables are the same for both.
 
 The one place cos/sin tables are computed. The reference forward, the shard compiler's tests and
 the runtime's host-side inputs all call `rope_tables`, so a shard and the reference can only
@@ -12,7 +17,8 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-FactorSet = Literal["short", "long"]
+# "freqs": llama's rope_freqs tensor; "none": no factors at all (all ones).
+FactorSet = Literal["short", "long", "freqs", "none"]
 
 
 class RopeSpec(BaseModel):
@@ -26,6 +32,7 @@ class RopeSpec(BaseModel):
     factors: tuple[float, ...]
     attn_factor: float
     context_window: int
+    freq_scale: float = 1.0
 
     def tables(self, positions: np.ndarray | list[int],
                dtype: np.dtype = np.float32) -> tuple[np.ndarray, np.ndarray]:
@@ -39,15 +46,19 @@ def choose_factor_set(context_window: int, original_context_length: int) -> Fact
 
 def make_rope_spec(*, rope_dims: int, freq_base: float, attn_factor: float,
                    original_context_length: int, context_window: int,
-                   short_factors: np.ndarray, long_factors: np.ndarray) -> RopeSpec:
-    factor_set = choose_factor_set(context_window, original_context_length)
+                   short_factors: np.ndarray, long_factors: np.ndarray,
+                   freq_scale: float = 1.0, factor_set: FactorSet | None = None) -> RopeSpec:
+    """`factor_set=None` picks LongRoPE's short or long set by the window; "freqs" and "none"
+    use `short_factors` as the one set there is."""
+    if factor_set is None:
+        factor_set = choose_factor_set(context_window, original_context_length)
     factors = long_factors if factor_set == "long" else short_factors
     if len(factors) != rope_dims // 2:
         raise ValueError(f"{factor_set} RoPE factors have {len(factors)} entries, "
                          f"expected rope_dims/2 = {rope_dims // 2}")
     return RopeSpec(rope_dims=rope_dims, freq_base=freq_base, factor_set=factor_set,
                     factors=tuple(float(f) for f in factors), attn_factor=attn_factor,
-                    context_window=context_window)
+                    context_window=context_window, freq_scale=freq_scale)
 
 
 def rope_tables(spec: RopeSpec, positions: np.ndarray | list[int],
@@ -60,7 +71,7 @@ def rope_tables(spec: RopeSpec, positions: np.ndarray | list[int],
     pos = np.asarray(positions, dtype=np.float64).reshape(-1, 1)
     half = spec.rope_dims // 2
     inv_freq = spec.freq_base ** (-2.0 * np.arange(half, dtype=np.float64) / spec.rope_dims)
-    theta = pos * (inv_freq / np.asarray(spec.factors, dtype=np.float64))
+    theta = pos * (spec.freq_scale * inv_freq / np.asarray(spec.factors, dtype=np.float64))
     cos = np.cos(theta) * spec.attn_factor
     sin = np.sin(theta) * spec.attn_factor
     return cos.astype(dtype), sin.astype(dtype)

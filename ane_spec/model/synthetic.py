@@ -1,11 +1,12 @@
-"""Write synthetic GGUF files with the exact Phi-4-mini layout, at any size.
+"""Write synthetic GGUF files of any supported architecture (Phi-4-mini's layout by default).
 
 There are no real weights on the machines this project is tested on, so fixtures and benchmarks
 are files the real loading code reads: the same metadata keys, tensor names, types and shapes as
-`Phi-4-mini-instruct.Q8_0.gguf`, a real byte-level BPE vocabulary, random but well-scaled weights.
+`Phi-4-mini-instruct.Q8_0.gguf` (or a Llama 3 / Qwen file for `arch`), a real byte-level BPE
+vocabulary with the family's special tokens, random but well-scaled weights.
 
 Tensors are generated in row chunks and written by the project's one GGUF writer
-(`gguf_writer.write_phi3_gguf`, which the trained tiny model also goes through), so writing the
+(`gguf_writer.write_gguf`, which the trained tiny model also goes through), so writing the
 3.8B-param preset needs a few hundred MB, not the 15 GB its fp32 weights would take.
 
 Two fixture regimes matter (see the contract doc's "Synthetic fixtures: two traps"):
@@ -27,13 +28,15 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from ane_spec.errors import ConfigError
 
+from ane_spec.model.architectures import ARCHITECTURES
 from ane_spec.model.config import ModelConfig, first_error, longrope_attn_factor
 from ane_spec.model.gguf_file import expected_tensor_shapes
 from ane_spec.model.gguf_writer import (
     Chunks,
     TensorSource,
+    llama3_rope_freqs,
     longrope_factor_tensors,
-    write_phi3_gguf,
+    write_gguf,
 )
 from ane_spec.model.vocab import build_synthetic_vocab
 
@@ -52,7 +55,11 @@ class SyntheticSpec(BaseModel):
     num_kv_heads: int
     ffn_size: int
     vocab_size: int
-    rope_dims: int
+    rope_dims: int | None = None     # None: all of head_dim
+    arch: str = "phi3"
+    head_dim: int | None = None      # None: hidden_size / num_heads (written as key_length if not)
+    rope_freqs: bool = False         # llama: write Llama 3.1's rope_freqs tensor, computed
+                                     # for original_context_length (8192 in Llama 3.2)
     context_length: int = 131072
     original_context_length: int = 4096
     rope_freq_base: float = 10000.0
@@ -65,23 +72,26 @@ class SyntheticSpec(BaseModel):
 
     @model_validator(mode="after")
     def _valid(self) -> "SyntheticSpec":
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"unknown architecture {self.arch!r}; choose one of "
+                             f"{', '.join(ARCHITECTURES)}")
+        if self.rope_freqs and ARCHITECTURES[self.arch].rope_factors != "freqs":
+            raise ValueError(f"rope_freqs is a llama tensor; {self.arch} has none")
         self.to_config()  # raises on inconsistent shapes
         return self
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
     def to_config(self) -> ModelConfig:
+        head_dim = self.head_dim or self.hidden_size // self.num_heads
+        longrope = ARCHITECTURES[self.arch].rope_factors == "longrope"
+        # Only LongRoPE files carry original_context_length and the attention factor.
+        original = self.original_context_length if longrope else self.context_length
         return ModelConfig(
-            hidden_size=self.hidden_size, num_layers=self.num_layers, num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads, head_dim=self.hidden_size // self.num_heads,
-            rope_dims=self.rope_dims, ffn_size=self.ffn_size, vocab_size=self.vocab_size,
-            context_length=self.context_length,
-            original_context_length=self.original_context_length,
-            rope_freq_base=self.rope_freq_base,
-            rope_attn_factor=longrope_attn_factor(self.context_length,
-                                                  self.original_context_length),
+            arch=self.arch, hidden_size=self.hidden_size, num_layers=self.num_layers,
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=head_dim,
+            rope_dims=self.rope_dims or head_dim, ffn_size=self.ffn_size,
+            vocab_size=self.vocab_size, context_length=self.context_length,
+            original_context_length=original, rope_freq_base=self.rope_freq_base,
+            rope_attn_factor=longrope_attn_factor(self.context_length, original),
             rms_eps=self.rms_eps, tied_embeddings=self.tied_embeddings)
 
 
@@ -93,6 +103,21 @@ PRESETS: dict[str, SyntheticSpec] = {
                            ffn_size=1024, vocab_size=4096, rope_dims=48),
     "phi4-mini": SyntheticSpec(hidden_size=3072, num_layers=32, num_heads=24, num_kv_heads=8,
                                ffn_size=8192, vocab_size=200064, rope_dims=96),
+    # The real shapes of the small models people run locally (their HF config.json files).
+    "llama-3.2-1b": SyntheticSpec(arch="llama", hidden_size=2048, num_layers=16, num_heads=32,
+                                  num_kv_heads=8, ffn_size=8192, vocab_size=128256,
+                                  rope_freq_base=500000.0, rope_freqs=True,
+                                  original_context_length=8192),
+    "llama-3.2-3b": SyntheticSpec(arch="llama", hidden_size=3072, num_layers=28, num_heads=24,
+                                  num_kv_heads=8, ffn_size=8192, vocab_size=128256,
+                                  rope_freq_base=500000.0, rope_freqs=True,
+                                  original_context_length=8192),
+    "qwen2.5-3b": SyntheticSpec(arch="qwen2", hidden_size=2048, num_layers=36, num_heads=16,
+                                num_kv_heads=2, ffn_size=11008, vocab_size=151936,
+                                context_length=32768, rope_freq_base=1000000.0, rms_eps=1e-6),
+    "qwen3-4b": SyntheticSpec(arch="qwen3", hidden_size=2560, num_layers=36, num_heads=32,
+                              num_kv_heads=8, head_dim=128, ffn_size=9728, vocab_size=151936,
+                              context_length=40960, rope_freq_base=1000000.0, rms_eps=1e-6),
 }
 
 
@@ -101,6 +126,15 @@ def preset(name: str, **overrides: object) -> SyntheticSpec:
     if name not in PRESETS:
         raise ConfigError(f"unknown preset '{name}'; choose one of {', '.join(PRESETS)}")
     values = PRESETS[name].model_dump() | {k: v for k, v in overrides.items() if v is not None}
+    # Another architecture, or other head shapes, with no rope_dims given: rotate what the
+    # architecture rotates (all of head_dim outside phi3) instead of the preset's count.
+    if overrides.get("rope_dims") is None and (
+            values["arch"] != PRESETS[name].arch
+            or any(overrides.get(k) is not None for k in ("hidden_size", "num_heads", "head_dim"))):
+        if not ARCHITECTURES[values["arch"]].partial_rotary:
+            values["rope_dims"] = None
+    if values.get("rope_freqs") and ARCHITECTURES[values["arch"]].rope_factors != "freqs":
+        values["rope_freqs"] = False
     try:
         return SyntheticSpec(**values)
     except ValidationError as exc:
@@ -111,9 +145,10 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec,
                          progress: Callable[[str, int, int], None] | None = None) -> Path:
     """Write `spec` as a GGUF file at `path` (atomically: a temp file renamed at the end)."""
     config = spec.to_config()
-    return write_phi3_gguf(path, config, build_synthetic_vocab(spec.vocab_size),
-                           _tensor_plan(spec, config), name="synthetic-phi4-mini",
-                           progress=progress)
+    family = config.architecture.vocab_family
+    name = "synthetic-phi4-mini" if spec.arch == "phi3" else f"synthetic-{spec.arch}"
+    return write_gguf(path, config, build_synthetic_vocab(spec.vocab_size, family=family),
+                      _tensor_plan(spec, config), name=name, progress=progress)
 
 
 def _tensor_plan(spec: SyntheticSpec, c: ModelConfig) -> dict[str, TensorSource]:
@@ -123,9 +158,15 @@ def _tensor_plan(spec: SyntheticSpec, c: ModelConfig) -> dict[str, TensorSource]
                    "bf16": GGMLQuantizationType.BF16}[spec.weight_type]
     f32 = GGMLQuantizationType.F32
     shapes = expected_tensor_shapes(c)
-    plan = longrope_factor_tensors(c)
+    factors = c.architecture.rope_factors
+    plan = (longrope_factor_tensors(c) if factors == "longrope"
+            else llama3_rope_freqs(c, original_context=spec.original_context_length)
+            if spec.rope_freqs else {})
     # One child seed per tensor: a tensor's values do not depend on the tensors written before it.
     for (name, shape), rng_seed in zip(shapes.items(), root.spawn(len(shapes))):
+        if name.endswith(".bias"):
+            plan[name] = TensorSource(shape, f32, _bias_maker(shape, rng_seed))
+            continue
         if len(shape) == 1:
             plan[name] = TensorSource(shape, f32, _norm_maker(shape, rng_seed))
             continue
@@ -141,6 +182,11 @@ def _tensor_plan(spec: SyntheticSpec, c: ModelConfig) -> dict[str, TensorSource]
 def _norm_maker(shape: tuple[int, ...], seed: np.random.SeedSequence) -> Chunks:
     # Not all ones, so a graph that forgets to multiply by the norm weight is caught.
     return lambda: iter([np.random.default_rng(seed).uniform(0.8, 1.2, shape).astype(np.float32)])
+
+
+def _bias_maker(shape: tuple[int, ...], seed: np.random.SeedSequence) -> Chunks:
+    # Large enough that a graph which drops a bias fails every logit comparison.
+    return lambda: iter([np.random.default_rng(seed).uniform(-0.5, 0.5, shape).astype(np.float32)])
 
 
 def _gaussian_maker(shape: tuple[int, ...], std: float, seed: np.random.SeedSequence) -> Chunks:

@@ -1,9 +1,12 @@
-r"""Phi-4-mini's tokenizer, read from GGUF metadata, tokenizing the way llama.cpp does.
+r"""Byte-level BPE tokenizers read from GGUF metadata, tokenizing the way llama.cpp does:
+Phi-4-mini's (`gpt-4o`), Llama 3's (`llama-bpe`) and Qwen 2.5 / 3's (`qwen2`).
 
 The GGUF carries a GPT-2 style byte-level BPE (`tokenizer.ggml.model = "gpt2"`): every token of
 type NORMAL is a string over the 256-symbol GPT-2 byte-to-unicode alphabet, merges are ranked by
 their index, and the pre-tokenizer named by `tokenizer.ggml.pre` ("gpt-4o", tiktoken's o200k_base
-split pattern) cuts text into words before BPE runs on each word separately.
+split pattern; "llama-bpe"; "qwen2") cuts text into words before BPE runs on each word
+separately. The families differ only in the split, in llama3's ignore_merges (a word that is a
+token is not merged up) and default BOS, and in their special tokens.
 
 The BPE itself runs in HF `tokenizers` (models.BPE + a Split/ByteLevel pre-tokenizer, the same
 pipeline as Phi-4-mini's tokenizer.json). What `tokenizers` would get wrong relative to llama.cpp
@@ -74,10 +77,35 @@ GPT4O_PATTERN_LLAMA_CPP = (
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# Llama 3 (LLAMA_VOCAB_PRE_TYPE_LLAMA3) and Qwen 2 (LLAMA_VOCAB_PRE_TYPE_QWEN2): the pattern of
+# the model's tokenizer.json, and llama-vocab.cpp's "adapted" form without the (?i:) group, which
+# is what llama.cpp runs (its custom llama3/qwen2 scanners implement exactly these). Qwen's only
+# difference is single digits (\p{N}) instead of runs of up to three.
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_PATTERN_LLAMA_CPP = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+                            r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
+QWEN2_PATTERN_LLAMA_CPP = LLAMA3_PATTERN_LLAMA_CPP.replace(r"\p{N}{1,3}", r"\p{N}")
+
+# The `tokenizer.ggml.pre` names llama.cpp maps to LLAMA3; they also turn on ignore_merges (a
+# word that is itself a token is not merged up) and make add_bos default to true.
+LLAMA3_PRE_NAMES = ("llama3", "llama-v3", "llama-bpe")
+
 #: `tokenizer.ggml.pre` values this module can tokenize, with their split pattern.
-PRE_TOKENIZER_PATTERNS: dict[str, str] = {"gpt-4o": GPT4O_PATTERN}
+PRE_TOKENIZER_PATTERNS: dict[str, str] = {
+    "gpt-4o": GPT4O_PATTERN, "qwen2": QWEN2_PATTERN,
+    **{name: LLAMA3_PATTERN for name in LLAMA3_PRE_NAMES}}
 #: ... and the form llama.cpp runs over collapsed text.
-LLAMA_CPP_PATTERNS: dict[str, str] = {"gpt-4o": GPT4O_PATTERN_LLAMA_CPP}
+LLAMA_CPP_PATTERNS: dict[str, str] = {
+    "gpt-4o": GPT4O_PATTERN_LLAMA_CPP, "qwen2": QWEN2_PATTERN_LLAMA_CPP,
+    **{name: LLAMA3_PATTERN_LLAMA_CPP for name in LLAMA3_PRE_NAMES}}
+
+
+def default_add_bos(pre: str) -> bool:
+    """llama.cpp's add_bos when the GGUF has no tokenizer.ggml.add_bos_token key."""
+    return pre in LLAMA3_PRE_NAMES
 
 SPLIT_MODES = ("llama.cpp", "hf")
 
@@ -88,6 +116,12 @@ EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<
              "<|calls|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>",
              "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>", "<eos>",
              "<｜end▁of▁sentence｜>")
+# Fill-in-the-middle tokens llama.cpp finds by name and forces to CONTROL; the pad, repo and
+# file-separator ones also end generation (llama-vocab.cpp, special_fim_*_id).
+FIM_TEXTS = ("<|fim_prefix|>", "<fim-prefix>", "<PRE>", "<|fim_suffix|>", "<fim-suffix>",
+             "<SUF>", "<|fim_middle|>", "<fim-middle>", "<MID>")
+FIM_EOG_TEXTS = ("<|fim_pad|>", "<fim-pad>", "<PAD>", "<|fim_repo|>", "<|repo_name|>",
+                 "<fim-repo>", "<REPO>", "<|file_sep|>")
 
 
 @lru_cache(maxsize=1)
@@ -380,7 +414,8 @@ class IncrementalDetokenizer:
 
 
 class Tokenizer:
-    """Encode/decode exactly as llama.cpp does for a `gpt2`/`gpt-4o` GGUF vocabulary."""
+    """Encode/decode exactly as llama.cpp does for a `gpt2` GGUF vocabulary with one of the
+    pre-tokenizers in PRE_TOKENIZER_PATTERNS."""
 
     def __init__(self, data: TokenizerData, *, split: str = "llama.cpp") -> None:
         from tokenizers import Regex, decoders, models, pre_tokenizers
@@ -396,13 +431,15 @@ class Tokenizer:
         self._token_to_id: dict[str, int] = {t: i for i, t in enumerate(self._texts)}
         self._types = list(data.token_types)
 
-        # llama.cpp makes end-of-generation-looking tokens CONTROL ("its type will be overridden").
+        # llama.cpp makes end-of-generation-looking and FIM tokens CONTROL ("its type will be
+        # overridden").
         eog = set()
-        for text in EOG_TEXTS:
+        for text in EOG_TEXTS + FIM_EOG_TEXTS + FIM_TEXTS:
             i = self._token_to_id.get(text)
             if i is not None:
                 self._types[i] = TOKEN_CONTROL
-                eog.add(i)
+                if text not in FIM_TEXTS:
+                    eog.add(i)
         if data.eos_token_id is not None:
             eog.add(data.eos_token_id)
         self.eog_ids: frozenset[int] = frozenset(eog)
@@ -433,7 +470,7 @@ class Tokenizer:
             # 0.7 s at 200k merges).
             bpe = models.BPE(vocab=self._token_to_id, merges=merges, dropout=None,
                              unk_token=None, fuse_unk=False, byte_fallback=False,
-                             ignore_merges=False)
+                             ignore_merges=data.pre in LLAMA3_PRE_NAMES)
         except Exception as exc:  # tokenizers raises a bare Exception naming the bad merge
             raise TokenizerError("the BPE vocabulary/merges are inconsistent: "
                                  f"{untrusted(str(exc), 200)}") from None

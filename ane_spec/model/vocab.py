@@ -39,6 +39,7 @@ from ane_spec.model.tokenizer import (
     TOKEN_CONTROL,
     TOKEN_NORMAL,
     TOKEN_UNUSED,
+    TOKEN_USER_DEFINED,
     TokenizerData,
     bytes_to_unicode,
 )
@@ -208,11 +209,90 @@ def _trained(seed_text: str | None) -> tuple[tuple[str, str], ...]:
     return train_bpe_merges([text], max_tokens=1_000_000)
 
 
-def build_synthetic_vocab(vocab_size: int, *, seed_text: str | None = None) -> TokenizerData:
-    """A deterministic byte-level BPE vocabulary with Phi-4-mini's layout at `vocab_size`."""
+def build_synthetic_vocab(vocab_size: int, *, seed_text: str | None = None,
+                          family: str = "phi4") -> TokenizerData:
+    """A deterministic byte-level BPE vocabulary with the layout of `family` at `vocab_size`:
+    "phi4" (Phi-4-mini's), "llama3" or "qwen2"/"qwen3" (family_layout)."""
     if vocab_size < MIN_VOCAB_SIZE:
         raise TokenizerError(f"synthetic vocab_size must be >= {MIN_VOCAB_SIZE}, got {vocab_size}")
-    return phi4_mini_layout(_trained(seed_text), vocab_size)
+    if family == "phi4":
+        return phi4_mini_layout(_trained(seed_text), vocab_size)
+    return family_layout(family, _trained(seed_text), vocab_size)
+
+
+# Llama 3: byte-level BPE, then 256 CONTROL tokens; BOS <|begin_of_text|>, instruct EOS <|eot_id|>
+# (llama.cpp adds <|end_of_text|>, <|eom_id|> and <|eot_id|> to end-of-generation by name).
+LLAMA3_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+                   "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>",
+                   "<|reserved_special_token_2|>", "<|start_header_id|>", "<|end_header_id|>",
+                   "<|eom_id|>", "<|eot_id|>", "<|python_tag|>")
+# Qwen 2.5 / 3: BPE, then its added tokens, then [PAD] fillers up to the padded embedding size.
+# CONTROL are the added tokens marked special in tokenizer_config.json; the tool and think tags
+# are not (USER_DEFINED: recognised in any text, as llama.cpp does).
+QWEN_SPECIALS = (("<|endoftext|>", TOKEN_CONTROL), ("<|im_start|>", TOKEN_CONTROL),
+                 ("<|im_end|>", TOKEN_CONTROL), ("<|object_ref_start|>", TOKEN_CONTROL),
+                 ("<|object_ref_end|>", TOKEN_CONTROL), ("<|box_start|>", TOKEN_CONTROL),
+                 ("<|box_end|>", TOKEN_CONTROL), ("<|quad_start|>", TOKEN_CONTROL),
+                 ("<|quad_end|>", TOKEN_CONTROL), ("<|vision_start|>", TOKEN_CONTROL),
+                 ("<|vision_end|>", TOKEN_CONTROL), ("<|vision_pad|>", TOKEN_CONTROL),
+                 ("<|image_pad|>", TOKEN_CONTROL), ("<|video_pad|>", TOKEN_CONTROL),
+                 ("<tool_call>", TOKEN_USER_DEFINED), ("</tool_call>", TOKEN_USER_DEFINED),
+                 ("<|fim_prefix|>", TOKEN_USER_DEFINED), ("<|fim_middle|>", TOKEN_USER_DEFINED),
+                 ("<|fim_suffix|>", TOKEN_USER_DEFINED), ("<|fim_pad|>", TOKEN_USER_DEFINED),
+                 ("<|repo_name|>", TOKEN_USER_DEFINED), ("<|file_sep|>", TOKEN_USER_DEFINED))
+QWEN3_EXTRA = (("<tool_response>", TOKEN_USER_DEFINED), ("</tool_response>", TOKEN_USER_DEFINED),
+               ("<think>", TOKEN_USER_DEFINED), ("</think>", TOKEN_USER_DEFINED))
+
+LLAMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+    "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% endif %}")
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def family_layout(family: str, trained_merges: Iterable[tuple[str, str]],
+                  vocab_size: int) -> TokenizerData:
+    """A Llama 3 ("llama3") or Qwen ("qwen2", "qwen3") vocabulary at `vocab_size`.
+
+    llama3: bytes and merges, fillers, and the last `min(256, vocab_size // 8)` ids its special
+    block (the 11 named tokens, then reserved ones), as ids 128000.. are in the real one.
+    qwen: bytes and merges, the added tokens right after the BPE region, `[PAD<id>]` fillers
+    (UNUSED) to the end, as Qwen's 151936-row files pad past their last added token.
+    """
+    if family == "llama3":
+        block = min(256, vocab_size // 8)
+        specials = [(t, TOKEN_CONTROL) for t in LLAMA3_SPECIALS]
+        specials += [(f"<|reserved_special_token_{k}|>", TOKEN_CONTROL)
+                     for k in range(3, 3 + block - len(specials))]
+        first_special = vocab_size - block
+    elif family in ("qwen2", "qwen3"):
+        specials = list(QWEN_SPECIALS + (QWEN3_EXTRA if family == "qwen3" else ()))
+        first_special = vocab_size - 64 - len(specials)
+    else:
+        raise TokenizerError(f"unknown vocabulary family {family!r}")
+    tokens, merges = _bpe_region(trained_merges, first_special,
+                                 reserved={t for t, _ in specials})
+    types = [TOKEN_NORMAL] * len(tokens)
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
+    types += [TOKEN_UNUSED] * (vocab_size - len(types))
+    for k, (text, kind) in enumerate(specials):
+        tokens[first_special + k] = text
+        types[first_special + k] = kind
+    ids = {t: i for i, t in enumerate(tokens)}
+    if family == "llama3":
+        return TokenizerData(
+            model="gpt2", pre="llama-bpe", tokens=tokens, token_types=types, merges=merges,
+            bos_token_id=ids["<|begin_of_text|>"], eos_token_id=ids["<|eot_id|>"],
+            unknown_token_id=None, padding_token_id=None, add_bos_token=True,
+            chat_template=LLAMA3_CHAT_TEMPLATE)
+    return TokenizerData(
+        model="gpt2", pre="qwen2", tokens=tokens, token_types=types, merges=merges,
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], unknown_token_id=None,
+        padding_token_id=ids["<|endoftext|>"], add_bos_token=False, chat_template=CHATML_TEMPLATE)
 
 
 def build_trained_vocab(texts: Iterable[str], vocab_size: int) -> TokenizerData:
@@ -229,10 +309,27 @@ def phi4_mini_layout(trained_merges: Iterable[tuple[str, str]], vocab_size: int)
     Bytes, then merge results in rank order up to the BPE region's end, then `[PAD<id>]` fillers,
     with the special tokens at their offsets from the end (see the module docstring).
     """
-    bpe_cap = vocab_size - BPE_REGION_END_FROM_END
+    tokens, merges = _bpe_region(trained_merges, vocab_size - BPE_REGION_END_FROM_END,
+                                 reserved={text for _, text in SPECIAL_TOKENS_FROM_END})
+    types = [TOKEN_NORMAL] * len(tokens)
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
+    types += [TOKEN_UNUSED] * (vocab_size - len(types))
+    for offset, text in SPECIAL_TOKENS_FROM_END:
+        tokens[vocab_size - offset] = text
+        types[vocab_size - offset] = TOKEN_CONTROL
+    eot = vocab_size - 65
+    return TokenizerData(
+        model="gpt2", pre="gpt-4o", tokens=tokens, token_types=types, merges=merges,
+        bos_token_id=eot, eos_token_id=eot, unknown_token_id=eot, padding_token_id=eot,
+        add_bos_token=False, add_eos_token=False, chat_template=PHI4_MINI_CHAT_TEMPLATE)
+
+
+def _bpe_region(trained_merges: Iterable[tuple[str, str]], bpe_cap: int,
+                reserved: set[str]) -> tuple[list[str], list[str]]:
+    """The 256 byte tokens then merge results in rank order, at most `bpe_cap` tokens, and the
+    merges that made them."""
     tokens: list[str] = list(bytes_to_unicode().values())
     known = set(tokens)
-    reserved = {text for _, text in SPECIAL_TOKENS_FROM_END}
     merges: list[str] = []
     for a, b in trained_merges:
         result = a + b
@@ -247,15 +344,4 @@ def phi4_mini_layout(trained_merges: Iterable[tuple[str, str]], vocab_size: int)
             known.add(result)
             tokens.append(result)
         merges.append(f"{a} {b}")
-
-    types = [TOKEN_NORMAL] * len(tokens)
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
-    types += [TOKEN_UNUSED] * (vocab_size - len(types))
-    for offset, text in SPECIAL_TOKENS_FROM_END:
-        tokens[vocab_size - offset] = text
-        types[vocab_size - offset] = TOKEN_CONTROL
-    eot = vocab_size - 65
-    return TokenizerData(
-        model="gpt2", pre="gpt-4o", tokens=tokens, token_types=types, merges=merges,
-        bos_token_id=eot, eos_token_id=eot, unknown_token_id=eot, padding_token_id=eot,
-        add_bos_token=False, add_eos_token=False, chat_template=PHI4_MINI_CHAT_TEMPLATE)
+    return tokens, merges

@@ -50,10 +50,17 @@ def random_layer(c: ModelConfig, seed: int = 0) -> LayerWeights:
         scale = np.full((out, 1, 1, 1), 1.0 / (73.0 * np.sqrt(inp)), np.float16)
         return ConvWeight("int8-channel", (out, inp), q, scale, 1.0)
 
-    d, f = c.hidden_size, c.ffn_size
-    return LayerWeights(rng.uniform(0.8, 1.2, d).astype(np.float32), mat(c.qkv_rows, d),
-                        mat(d, d), rng.uniform(0.8, 1.2, d).astype(np.float32), mat(2 * f, d),
-                        mat(d, f))
+    def vector(n: int, lo: float = 0.8, hi: float = 1.2) -> np.ndarray:
+        return rng.uniform(lo, hi, n).astype(np.float32)
+
+    d, f, a = c.hidden_size, c.ffn_size, c.architecture
+    layer = LayerWeights(vector(d), mat(c.qkv_rows, d), mat(d, c.q_dim), vector(d),
+                         mat(2 * f, d), mat(d, f))
+    if a.qkv_bias:
+        layer.qkv_bias = vector(c.qkv_rows, -0.5, 0.5)
+    if a.qk_norm:
+        layer.q_norm, layer.k_norm = vector(c.head_dim), vector(c.head_dim)
+    return layer
 
 
 def probe_block(package: Path, c: ModelConfig, max_seq: int, layout: str, backend: Backend,
@@ -119,7 +126,7 @@ def build_gguf_layer(gguf: str | os.PathLike[str], layer: int, out: Path, max_se
                      layout: str = "BCT1", weights: str = "int8-channel"
                      ) -> tuple[Path, ModelConfig]:
     from ane_spec.model.gguf_file import open_gguf
-    from ane_spec.shards.build import layer_weights
+    from ane_spec.shards.layer_weights import layer_weights
 
     model = open_gguf(gguf)
     c = model.config

@@ -48,9 +48,10 @@ from ane_spec.manifests.schema import (
     TensorSpec,
 )
 from ane_spec.manifests.store import file_ref, hash_path, load_manifest, write_manifest
-from ane_spec.model.gguf_file import GGUFModel, Tensor, open_gguf
+from ane_spec.model.gguf_file import GGUFModel, open_gguf
 from ane_spec.shards.embeddings import write_embeddings
-from ane_spec.shards.layer_graph import CORRECT, GraphVariant, LayerWeights, Layout
+from ane_spec.shards.layer_graph import CORRECT, GraphVariant, Layout
+from ane_spec.shards.layer_weights import finite_vector, layer_tensor_names, layer_weights
 from ane_spec.shards.output_dir import OutputLock, building_dir, recover, swap_into_place
 from ane_spec.shards.programs import (
     DEFAULT_T,
@@ -60,7 +61,14 @@ from ane_spec.shards.programs import (
     save_package,
 )
 from ane_spec.shards.static_checks import check_package
-from ane_spec.shards.topology import DEFAULT_MAX_SHARD_MB, check_budget, parse_topology, plan_topology
+from ane_spec.shards.topology import (
+    DEFAULT_MAX_SHARD_MB,
+    MAX_HEAD_CHANNELS,
+    check_budget,
+    min_head_chunks,
+    parse_topology,
+    plan_topology,
+)
 from ane_spec.shards.weights import (
     DEFAULT_MIN_WEIGHT_COSINE,
     ConvWeight,
@@ -72,9 +80,8 @@ from ane_spec.shards.weights import (
 
 # Bump when the emitted graphs change, so fingerprints stop matching and shards are rebuilt.
 # 2: finite-safe KV write and select mask; 3: RangeDim default T=4 (residency is planned at the
-# shape that runs).
-COMPILER_REVISION = 3
-MATRICES = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
+# shape that runs); 4: llama, qwen2 and qwen3 layers (phi3 programs are unchanged).
+COMPILER_REVISION = 4
 
 Progress = Callable[[str], None]
 
@@ -178,8 +185,8 @@ def _build_into(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
     for n, (a, b) in enumerate(ranges):
         label = f"shard {n + 1}/{len(ranges)} layers [{a},{b})"
         fp = _fingerprint(options, request, ("layers", a, b), tensor_sha, model,
-                          [f"blk.{i}.{p}.weight" for i in range(a, b)
-                           for p in (*MATRICES, "attn_norm", "ffn_norm")], variant)
+                          [n for i in range(a, b) for n in layer_tensor_names(model.config, i)],
+                          variant)
         rel = f"shards/layers_{a:02d}_{b:02d}.mlpackage"
         entry = _reuse(previous, fp, rel, tmp, ShardEntry)
         if entry is not None:
@@ -299,6 +306,11 @@ def _validate(model: GGUFModel, r: BuildRequest) -> list[tuple[int, int]]:
     if not 1 <= r.head_chunks <= c.vocab_size:
         raise BuildError(f"--head-chunks {r.head_chunks} must be between 1 and the vocabulary "
                          f"size {c.vocab_size}")
+    if r.head_chunks < min_head_chunks(c.vocab_size):
+        raise BuildError(f"--head-chunks {r.head_chunks} makes LM-head chunks of up to "
+                         f"{-(-c.vocab_size // r.head_chunks):,} channels, over the "
+                         f"{MAX_HEAD_CHANNELS:,} known to stay on the ANE; use at least "
+                         f"{min_head_chunks(c.vocab_size)}")
     if not 0 < r.min_weight_cosine <= 1:
         raise BuildError(f"--min-weight-cosine {r.min_weight_cosine} must be in (0, 1]")
     ranges = parse_topology(r.topology, c.num_layers)
@@ -309,9 +321,11 @@ def _validate(model: GGUFModel, r: BuildRequest) -> list[tuple[int, int]]:
     model.tokenizer_data  # noqa: B018 (validates the vocabulary and merges)
     rope = model.rope_spec(r.max_seq)
     factors = np.asarray(rope.factors)
-    require_finite(f"rope_factors_{rope.factor_set}.weight", factors)
+    source = ("rope_freqs.weight" if rope.factor_set in ("freqs", "none")
+              else f"rope_factors_{rope.factor_set}.weight")
+    require_finite(source, factors)
     if (factors <= 0).any():
-        raise BuildError(f"tensor 'rope_factors_{rope.factor_set}.weight' holds factors <= 0; "
+        raise BuildError(f"tensor '{source}' holds factors <= 0; "
                          "the GGUF file is corrupt")
     return ranges
 
@@ -388,26 +402,6 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def layer_weights(model: GGUFModel, i: int, fmt: WeightFormat,
-                   cosines: dict[str, float]) -> LayerWeights:
-    mats: dict[str, ConvWeight] = {}
-    for part in MATRICES:
-        t = model.layer(i, part)
-        mats[part] = convert_matrix(t, fmt)
-        t.release()
-        cosines[t.name] = mats[part].cosine
-    norms = {part: _finite_vector(model.layer(i, part)) for part in ("attn_norm", "ffn_norm")}
-    return LayerWeights(
-        attn_norm=norms["attn_norm"], qkv=mats["attn_qkv"], attn_output=mats["attn_output"],
-        ffn_norm=norms["ffn_norm"], ffn_up=mats["ffn_up"], ffn_down=mats["ffn_down"])
-
-
-def _finite_vector(t: Tensor) -> np.ndarray:
-    values = np.array(t.dequantize())
-    require_finite(t.name, values)
-    return values
-
-
 def _build_shard(model: GGUFModel, r: BuildRequest, a: int, b: int, tmp: Path, rel: str,
                  fp: str, variant: GraphVariant) -> ShardEntry:
     cosines: dict[str, float] = {}
@@ -433,7 +427,7 @@ def _build_head(model: GGUFModel, r: BuildRequest, tmp: Path, rel: str, fp: str)
         cosines[f"{t.name}[{s}:{e}]"] = w.cosine
         weights.append(w)
     quant = _quant_stats(r, cosines)
-    norm = _finite_vector(model.tensor("output_norm.weight"))
+    norm = finite_vector(model.tensor("output_norm.weight"))
     prog = head_program(norm, weights, c, r.layout, r.head_argmax)
     del weights
     ref, (inputs, outputs, _) = _save_checked(prog, tmp, rel, "head", r.weights)

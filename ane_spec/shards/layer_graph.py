@@ -1,11 +1,14 @@
-"""One Phi-4-mini layer as MIL ops, laid out for the ANE, with a T-row KV scatter.
+"""One transformer layer as MIL ops, laid out for the ANE, with a T-row KV scatter.
 
 Channels-first 4-D tensors and 1x1 convs (Apple's ml-ane-transformers rules). The token axis T
-(1..4) is symbolic, so one program serves T=1 decode and T=4 verification. Per layer:
+(1..4) is symbolic, so one program serves T=1 decode and T=4 verification. One graph serves
+every architecture; layer_weights.py maps each family's tensors onto it. Per layer:
 
     a   = rmsnorm(x)                          layer_norm(concat([x, -x])) keeps fp16 in range
-    qkv = conv(a); q, k, v = split            heads -> [1, H, T, hd]
+    qkv = conv(a) (+ bias); q, k, v = split   heads -> [1, H, T, hd]      (bias: qwen2)
+    q, k = rmsnorm(q), rmsnorm(k) per head    over head_dim               (qwen3)
     q, k = rope(q), rope(k)                   host cos/sin [T, rot/2], attn factor included
+                                              (NEOX; NORM files arrive with q/k rows reordered)
     k, v = finite(k), finite(v)               inf -> +-65504, NaN -> 0 (see below)
     K = K * (1 - rowsum(W)) + W @ k           W = kv_write_mask [1, 1, S, T]: T one-hot rows
     s = select(visible, q K^T / sqrt(hd), -65504)   over all S slots, GQA by reshaping q's heads
@@ -49,8 +52,11 @@ class LayerWeights:
     qkv: ConvWeight
     attn_output: ConvWeight
     ffn_norm: np.ndarray
-    ffn_up: ConvWeight
+    ffn_up: ConvWeight              # gate rows, then up rows
     ffn_down: ConvWeight
+    qkv_bias: np.ndarray | None = None   # fp32 [qkv_rows] (qwen2)
+    q_norm: np.ndarray | None = None     # fp32 [head_dim] (qwen3)
+    k_norm: np.ndarray | None = None
 
 
 @dataclass
@@ -91,6 +97,16 @@ def rms_norm(x: Var, weight: np.ndarray, eps: float, d: int, name: str) -> Var:
     half = mb.slice_by_index(x=normed, begin=[0, 0, 0, 0], end=[1, d, 0, 0],
                              end_mask=[True, False, True, True])
     return mb.mul(x=half, y=weight.astype(np.float16).reshape(1, d, 1, 1), name=name)
+
+
+def head_rms_norm(x: Var, weight: np.ndarray, eps: float, hd: int, name: str) -> Var:
+    """RMSNorm of each head's [.., hd] vector in [1, heads, T, hd], the way `rms_norm` does it:
+    layer_norm over [x, -x] along the head axis."""
+    both = mb.concat(values=[x, mb.mul(x=x, y=np.float16(-1.0))], axis=3)
+    normed = mb.layer_norm(x=both, axes=[3], epsilon=np.float16(eps))
+    half = mb.slice_by_index(x=normed, begin=[0, 0, 0, 0], end=[0, 0, 0, hd],
+                             end_mask=[True, True, True, False])
+    return mb.mul(x=half, y=weight.astype(np.float16).reshape(1, 1, 1, hd), name=name)
 
 
 def to_heads(x: Var, heads: int, hd: int) -> Var:
@@ -190,7 +206,7 @@ def merge_heads(o: Var, c: ModelConfig, layout: Layout, flatten: str = "head_dim
     """
     if flatten == "head_dim_token":
         o = mb.transpose(x=o, perm=[0, 1, 3, 2])                        # [1, H, hd, T]
-    shape = [1, c.hidden_size, -1, 1] if layout == "BCT1" else [1, c.hidden_size, 1, -1]
+    shape = [1, c.q_dim, -1, 1] if layout == "BCT1" else [1, c.q_dim, 1, -1]
     return mb.reshape(x=o, shape=shape)
 
 
@@ -211,7 +227,7 @@ class GraphVariant:
 CORRECT = GraphVariant()
 
 
-def phi3_layer(x: Var, i: int, w: LayerWeights, io: BlockInputs, k_state: Var, v_state: Var,
+def decoder_layer(x: Var, i: int, w: LayerWeights, io: BlockInputs, k_state: Var, v_state: Var,
                c: ModelConfig, layout: Layout, variant: GraphVariant = CORRECT,
                out_name: str | None = None) -> Var:
     """One layer; its output op is named `out_name` (the program's output, so no trailing
@@ -230,10 +246,20 @@ def phi3_layer(x: Var, i: int, w: LayerWeights, io: BlockInputs, k_state: Var, v
 
     a = rms_norm(x, w.attn_norm, c.rms_eps, d, p + "attn_norm")
     qkv = mb.conv(x=a, weight=conv_weight(w.qkv, p + "qkv_w"), name=p + "qkv")
-    q, k, v = mb.split(x=qkv, split_sizes=[d, c.kv_dim, c.kv_dim], axis=1)
-    q = rope(to_heads(q, c.num_heads, hd), cos, sin, half, hd)
+    if w.qkv_bias is not None:
+        qkv = mb.add(x=qkv, y=w.qkv_bias.astype(np.float16).reshape(1, -1, 1, 1),
+                     name=p + "qkv_bias")
+    q, k, v = mb.split(x=qkv, split_sizes=[c.q_dim, c.kv_dim, c.kv_dim], axis=1)
+    # Ops in this order keep a phi3 program exactly what it was before q/k norms existed.
+    q = to_heads(q, c.num_heads, hd)
+    if w.q_norm is not None:
+        q = head_rms_norm(q, w.q_norm, c.rms_eps, hd, p + "q_norm")
+    q = rope(q, cos, sin, half, hd)
     q = mb.mul(x=q, y=np.float16(1.0 / math.sqrt(hd)))
-    k = rope(to_heads(k, kv, hd), cos, sin, half, hd)
+    k = to_heads(k, kv, hd)
+    if w.k_norm is not None:
+        k = head_rms_norm(k, w.k_norm, c.rms_eps, hd, p + "k_norm")
+    k = rope(k, cos, sin, half, hd)
     v = to_heads(v, kv, hd)
     if variant.swap_kv_scatter:
         k, v = v, k

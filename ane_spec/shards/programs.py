@@ -31,7 +31,7 @@ from ane_spec.shards.layer_graph import (
     Layout,
     conv_weight,
     hidden_shape,
-    phi3_layer,
+    decoder_layer,
     rms_norm,
 )
 from ane_spec.shards.weights import ConvWeight
@@ -83,7 +83,7 @@ def layer_program(first_layer: int, layers: Sequence[LayerWeights], c: ModelConf
             i = first_layer + n
             k_name, v_name = state_names(i)
             last = n == len(layers) - 1
-            x = phi3_layer(x, i, w, io, inputs[k_name], inputs[v_name], c, layout, variant,
+            x = decoder_layer(x, i, w, io, inputs[k_name], inputs[v_name], c, layout, variant,
                            out_name=HIDDEN_OUT if last else None)
         return [x]
 

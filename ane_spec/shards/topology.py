@@ -81,10 +81,12 @@ def _spans(layers: list[int]) -> str:
 
 
 def layer_bytes(c: ModelConfig, fmt: WeightFormat) -> int:
-    """Stored bytes of one layer: four matrices plus two fp16 norm vectors."""
-    d, f = c.hidden_size, c.ffn_size
-    mats = [(c.qkv_rows, d), (d, d), (2 * f, d), (d, f)]
-    return sum(estimate_bytes(o, i, fmt) for o, i in mats) + 2 * 2 * d
+    """Stored bytes of one layer: four matrices (q|k|v and gate|up fused), fp16 norm vectors,
+    and the architecture's fp16 q|k|v bias and per-head q/k norms."""
+    d, f, a = c.hidden_size, c.ffn_size, c.architecture
+    mats = [(c.qkv_rows, d), (d, c.q_dim), (2 * f, d), (d, f)]
+    vectors = 2 * d + (c.qkv_rows if a.qkv_bias else 0) + (2 * c.head_dim if a.qk_norm else 0)
+    return sum(estimate_bytes(o, i, fmt) for o, i in mats) + 2 * vectors
 
 
 def plan_topology(c: ModelConfig, fmt: WeightFormat, max_shard_mb: int) -> list[tuple[int, int]]:
@@ -114,3 +116,15 @@ def check_budget(ranges: list[tuple[int, int]], c: ModelConfig, fmt: WeightForma
                 "layers per shard, e.g. --topology "
                 + ",".join(str(b - a) for a, b in plan_topology(c, fmt, max_shard_mb))
                 + ", or raise --max-shard-mb")
+
+
+# The widest LM-head chunk known to stay resident: ane-book's Phi-4-mini head ran as 4 chunks of
+# 50,016 output channels, fully on the ANE (ane-platform-notes.md; the "16384 per dimension" rule
+# quoted elsewhere is contradicted by that measurement and not applied here).
+MAX_HEAD_CHANNELS = 50_016
+
+
+def min_head_chunks(vocab_size: int) -> int:
+    """Fewest LM-head chunks that keep every chunk within MAX_HEAD_CHANNELS (chunks are split as
+    evenly as np.linspace makes them, so the widest is ceil(vocab / chunks))."""
+    return -(-vocab_size // MAX_HEAD_CHANNELS)
