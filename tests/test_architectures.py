@@ -205,11 +205,17 @@ def test_shards_match_the_reference(builds: dict[str, Path], conditioned: dict[s
 @pytest.fixture(scope="module")
 def chaotic_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """embed std 0.05, branches x4: varied greedy output (the contract doc's first trap)."""
-    root = tmp_path_factory.mktemp("arch-chaotic")
+    return build_family(tmp_path_factory.mktemp("arch-chaotic"), ARCHS, BuildRequest(
+        topology="3", max_seq=S), seed=11)
+
+
+def build_family(root: Path, archs: tuple[str, ...], request: BuildRequest,
+                 **spec_fields: object) -> dict[str, Path]:
+    """Write and build the fixture of each architecture: {arch: build folder}."""
     out = {}
-    for a in ARCHS:
-        gguf = write_synthetic_gguf(root / f"{a}.gguf", spec(a, seed=11))
-        build(gguf, root / a, BuildRequest(topology="3", max_seq=S))
+    for a in archs:
+        gguf = write_synthetic_gguf(root / f"{a}.gguf", spec(a, **spec_fields))
+        build(gguf, root / a, request)
         out[a] = root / a
     return out
 

@@ -17,10 +17,9 @@ from ane_spec.daemon.kv_state import StateLayout
 from ane_spec.daemon.slot_files import load_slot, save_slot
 from ane_spec.daemon.slots import MIN_SHARED, SlotManager
 from ane_spec.decode.session import DecodeSession
-from ane_spec.model.synthetic import write_synthetic_gguf
 from ane_spec.probes.gates import open_pipeline
-from ane_spec.shards.build import BuildRequest, build
-from tests.test_architectures import spec
+from ane_spec.shards.build import BuildRequest
+from tests.test_architectures import build_family
 from tests.test_daemon_slots import complete, interleave, metrics, serving, solo
 from tests.test_slots import Events, run, serve, tokens
 
@@ -32,13 +31,8 @@ S = 128
 def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Varied greedy output (embed std 0.05, branches x4, as the drafter needs), two shards so
     slots carry state across shard boundaries, and room for multi-turn conversations."""
-    root = tmp_path_factory.mktemp("arch-stack")
-    out = {}
-    for a in ARCHS:
-        gguf = write_synthetic_gguf(root / f"{a}.gguf", spec(a, seed=13))
-        build(gguf, root / a, BuildRequest(topology="2,1", max_seq=S))
-        out[a] = root / a
-    return out
+    return build_family(tmp_path_factory.mktemp("arch-stack"), ARCHS,
+                        BuildRequest(topology="2,1", max_seq=S), seed=13)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
