@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
@@ -85,10 +84,6 @@ def test_the_daemon_spills_restores_and_drafts_across_requests(builds: dict[str,
         # first reply, needs fewer passes.
         prompt = tokens(30, 25)
         first, again = (complete(srv, prompt, 24) for _ in range(2))
-        # Tool calls exist only in Phi-4-mini's format so far: refused by name on any other.
-        tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-        refused = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60, json={
-            "model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools})
     finally:
         srv.stop()
     assert all(s[0] == 0 and s[1] >= 0.8 for s in shares), shares
@@ -97,7 +92,6 @@ def test_the_daemon_spills_restores_and_drafts_across_requests(builds: dict[str,
     assert first["choices"][0]["text"] == again["choices"][0]["text"] == text
     tpp = [body["ane_spec"]["stats"]["tokens_per_pass"] for body in (first, again)]
     assert tpp[1] > tpp[0], tpp
-    assert refused.status_code == 400 and f"({arch}) has no <|tool_call|> token" in refused.text
 
 
 @pytest.mark.parametrize("arch", ARCHS)
