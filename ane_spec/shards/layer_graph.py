@@ -8,7 +8,7 @@ Channels-first 4-D tensors and 1x1 convs (Apple's ml-ane-transformers rules). Th
     q, k = rope(q), rope(k)                   host cos/sin [T, rot/2], attn factor included
     k, v = finite(k), finite(v)               inf -> +-65504, NaN -> 0 (see below)
     K = K * (1 - rowsum(W)) + W @ k           W = kv_write_mask [1, 1, S, T]: T one-hot rows
-    s = select(visible, q K^T / sqrt(hd), -65504)   over all S slots, GQA by reshaping q's heads
+    s = select(visible, q K^T / sqrt(hd), -32768)   over all S slots, GQA by reshaping q's heads
     o = softmax(s) V
     x = x + conv(o as [head, dim, token])     the flatten order seeds/003 got wrong once
     x = x + conv(silu(g) * u), (g, u) = split(conv(rmsnorm(x)))
@@ -107,10 +107,12 @@ def rope(x: Var, cos: Var, sin: Var, half: int, hd: int) -> Var:
 # fp16's largest finite value. Clamping to it changes no finite fp16 value, so a well-behaved
 # row's K/V are written bit for bit as before.
 FP16_MAX = np.float16(65504.0)
-# What a hidden slot's score becomes: the lowest finite fp16 value, so a row with one visible
-# slot scoring above -65504 + 17 gives every hidden slot exactly 0 weight (exp underflows), and
-# a row with none stays finite (uniform), never NaN. -inf would be NaN there (-inf - -inf).
-HIDDEN_SCORE = np.float16(-65504.0)
+# What a hidden slot's score becomes. A row whose largest visible score is above -32768 + 17
+# gives every hidden slot exactly 0 weight (fp16 exp underflows 17.3 below the row's maximum),
+# and the softmax's `score - max` stays finite for maxima below 32736 (-65504 would overflow to
+# -inf as soon as a row's maximum passed 16). A row with no visible slot stays finite (uniform),
+# never NaN, as it would be with -inf (-inf - -inf).
+HIDDEN_SCORE = np.float16(-32768.0)
 
 
 def finite_rows(rows: Var, name: str) -> Var:
@@ -135,6 +137,12 @@ def scatter_rows(state: Var, rows: Var, io: BlockInputs, name: str, clean: bool 
     return mb.add(x=mb.mul(x=state, y=io.keep), y=placed, name=name)
 
 
+def hide_slots(scores: Var, visible: Var) -> Var:
+    """Select, not add: a hidden slot's score is HIDDEN_SCORE whatever q.K gave there, inf or
+    NaN included (a rejected draft's slot may hold FP16_MAX K rows)."""
+    return mb.select(cond=visible, a=scores, b=HIDDEN_SCORE)
+
+
 def attention(q: Var, keys: Var, values: Var, io: BlockInputs, c: ModelConfig,
               fp32_softmax: bool = False, additive_mask: bool = False) -> Var:
     """Softmax attention over all S slots; returns [1, H, T, hd]."""
@@ -146,9 +154,7 @@ def attention(q: Var, keys: Var, values: Var, io: BlockInputs, c: ModelConfig,
     if additive_mask:  # the mask this compiler once had; only for the overflow probe's test
         scores = mb.add(x=scores, y=io.attn_mask)
     else:
-        # Select, not add: a hidden slot's score is HIDDEN_SCORE whatever q.K gave there, inf or
-        # NaN included (a rejected draft's slot may hold FP16_MAX K rows).
-        scores = mb.select(cond=io.visible, a=scores, b=HIDDEN_SCORE)
+        scores = hide_slots(scores, io.visible)
     if fp32_softmax:  # the island this compiler once had; only for the static check's test
         probs = mb.cast(x=stable_softmax(mb.cast(x=scores, dtype="fp32")), dtype="fp16")
     else:
