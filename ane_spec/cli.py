@@ -164,14 +164,20 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ane_spec.probes.doctor import run_doctor
-    from ane_spec.probes.doctor_report import to_json, to_lines, to_markdown
+    from ane_spec.probes.doctor_report import to_json, to_lines, to_markdown, write_atomically
+
+    def save(done: list) -> None:  # after every check: a crash later loses nothing
+        if args.out:
+            out = Path(args.out)
+            write_atomically(out, to_markdown(done, args.manifest))
+            write_atomically(out.with_suffix(".json"), to_json(done, args.manifest))
 
     checks = run_doctor(args.manifest, decode_shape=args.decode_shape, gguf=args.gguf,
-                        progress=lambda msg: print(f"[doctor] {msg}", file=sys.stderr))
+                        progress=lambda msg: print(f"[doctor] {msg}", file=sys.stderr),
+                        on_check=save)
     print(to_json(checks, args.manifest) if args.json else to_lines(checks))
     if args.out:
-        Path(args.out).write_text(to_markdown(checks, args.manifest))
-        print(f"wrote {args.out}", file=sys.stderr)
+        print(f"wrote {args.out} and {Path(args.out).with_suffix('.json')}", file=sys.stderr)
     return 1 if any(c.status == "failed" for c in checks) else 0
 
 
@@ -187,7 +193,9 @@ def _add_backend_args(p: argparse.ArgumentParser, *, decode_shape: bool = True) 
     p.add_argument("--decode-shape", choices=["fixed", "mixed"], default="fixed",
                    help="fixed (default): every pass computes 4 rows, so speculative output equals "
                         "greedy bitwise on a row-invariant backend; mixed: T=1 decode + T=4 "
-                        "verify, cheaper where T=1 is much faster, exact only up to rounding")
+                        "verify, cheaper where T=1 is much faster, exact only up to rounding. "
+                        "Residency (MLComputePlan) is proven at T=4, the inputs' default "
+                        "shape, only: with mixed, T=1 residency is unproven")
 
 
 # --- decoding ---------------------------------------------------------------------------------
@@ -281,7 +289,7 @@ def cmd_bench_drafter(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from ane_spec.demo import run_demo
 
-    result = run_demo(args.out)
+    result = run_demo(args.out, backend=args.backend)
     return 0 if result["identical"] else 1
 
 
@@ -403,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the whole toolchain on the shipped tiny-code model "
                                          "(start here)")
     p.add_argument("--out", default="local-artifacts/demo")
+    p.add_argument("--backend", choices=["mil", "coreml"], default=None,
+                   help="coreml on macOS, the MIL interpreter elsewhere (the default)")
     p.set_defaults(handler=cmd_demo)
 
     p = sub.add_parser("inspect", help="print a GGUF file's config, tensors and tokenizer facts")
@@ -465,7 +475,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-chunks", type=int, default=4)
     p.add_argument("--head-argmax", action="store_true",
                    help="head emits per-chunk max and argmax instead of logits (greedy only)")
-    p.add_argument("--max-shard-mb", type=int, default=DEFAULT_MAX_SHARD_MB)
+    p.add_argument("--max-shard-mb", type=int, default=DEFAULT_MAX_SHARD_MB,
+                   help="largest shard's weights (default %(default)s: about 10%% under the "
+                        "largest shard measured ANE-resident, 1,921 MiB; above ~2.3 GiB ran "
+                        "off the ANE)")
     p.add_argument("--min-weight-cosine", type=float, default=DEFAULT_MIN_WEIGHT_COSINE,
                    help="fail if requantized weights agree less with the GGUF values")
     p.add_argument("--force", action="store_true",
@@ -542,9 +555,11 @@ def build_parser() -> argparse.ArgumentParser:
                                       "row invariance, drift, parity, memory")
     p.add_argument("--gguf", help="source GGUF for the parity check (default: the manifest's)")
     p.add_argument("--decode-shape", choices=["fixed", "mixed"], default="fixed",
-                   help="the decode shape to check (sets Core ML's reshape hint)")
+                   help="the decode shape to check (sets Core ML's reshape hint); residency is "
+                        "planned at T=4 only, so with mixed, T=1 residency is unproven")
     p.add_argument("--json", action="store_true", help="print one JSON object with a checks list")
-    p.add_argument("--out", help="also write a short Markdown report to this file")
+    p.add_argument("--out", help="also write a short Markdown report to this file, and JSON "
+                   "beside it (.json); both are rewritten after every check")
     p.set_defaults(handler=cmd_doctor)
 
     probe = sub.add_parser("probe", help="gates (row-invariance, overflow, parity, block, drift, "

@@ -18,7 +18,8 @@ from ane_spec.assets import tiny_code_card, tiny_code_model
 from ane_spec.decode.sampling import SamplingParams
 from ane_spec.decode.session import DecodeSession, GenerateOptions
 from ane_spec.probes.gates import GATES, open_pipeline, run_gates
-from ane_spec.runtime.backend import default_backend_name
+from ane_spec.probes.report import GateReport
+from ane_spec.runtime.backend import BackendName, default_backend_name
 from ane_spec.shards.build import BuildRequest, build
 
 DEMO_MAX_SEQ = 512
@@ -86,10 +87,26 @@ def two_shards(num_layers: int) -> str:
     return f"{num_layers - num_layers // 2},{num_layers // 2}"
 
 
-def run_demo(out: str | Path = "local-artifacts/demo", *, say=print) -> dict:
+# tiny-code is 256 wide: below the widths the ANE compiler keeps on the Neural Engine (its
+# 16-wide attention heads and 256-channel convs are dispatched to the CPU; the seed's probes
+# only reached the ANE from d1024), so a failed residency gate here is expected, not a fault.
+TINY_CODE_RESIDENCY_NOTE = ("expected for tiny-code: at width 256 Core ML places these ops off "
+                            "the Neural Engine; residency is a property of Phi-size shards")
+
+
+def gate_line(report: GateReport) -> str:
+    """One gate's summary line; a residency failure on tiny-code says it is expected."""
+    line = report.summary()
+    if report.gate == "residency" and not report.passed and not report.skipped:
+        line += f" ({TINY_CODE_RESIDENCY_NOTE})"
+    return line
+
+
+def run_demo(out: str | Path = "local-artifacts/demo", *, say=print,
+             backend: BackendName | None = None) -> dict:
     out = Path(out)
     started = time.monotonic()
-    backend = default_backend_name()
+    backend = backend or default_backend_name()
     gguf = tiny_code_model()
     card = tiny_code_card()
     say(f"ane-spec demo on the embedded model.\n{describe_model(card)}\n")
@@ -107,7 +124,7 @@ def run_demo(out: str | Path = "local-artifacts/demo", *, say=print) -> dict:
         reports = run_gates(artifacts, GATES if precision != "fp16" else ("block", "drift"),
                             backend=backend, precision=precision or "fp32", gguf=str(gguf))
         for r in reports:
-            say(f"   {r.summary()}")
+            say(f"   {gate_line(r)}")
 
     say("4. generate (greedy with llama.cpp's repeat_penalty 1.1 over the last 64 tokens; the "
         "same prompt with and without speculation)")

@@ -31,3 +31,30 @@ def tiny_build_512(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory) ->
     out = tmp_path_factory.mktemp("tiny512") / "art"
     build(tiny_gguf, out, BuildRequest(topology="2,1", max_seq=512))
     return out
+
+
+@pytest.fixture(scope="session")
+def coreml_build(tmp_path_factory: pytest.TempPathFactory):
+    """(build folder, manifest): 2 layers in one shard + head, 64-token context, well
+    conditioned: the stand-in's Core ML tests."""
+    from ane_spec.manifests.store import load_manifest
+    from ane_spec.shards.build import BuildRequest, build
+
+    root = tmp_path_factory.mktemp("coreml")
+    gguf = write_synthetic_gguf(root / "tiny2.gguf", preset("tiny", num_layers=2, embed_std=1.0,
+                                                            branch_scale=1.0, seed=7))
+    build(gguf, root / "art", BuildRequest(topology="2", max_seq=64))
+    return root / "art", load_manifest(root / "art").manifest
+
+
+@pytest.fixture
+def coreml_standin(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory):
+    """coremltools' native layer replaced by tests/coreml_standin.py for one test: the real
+    CoreMLBackend, compiled cache and everything above them run on Linux. The compiled-model
+    cache is a fresh folder."""
+    from ane_spec.runtime.compiled_cache import CACHE_ENV
+    from tests import coreml_standin
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("standin-cache")))
+    coreml_standin.install(monkeypatch)
+    return coreml_standin

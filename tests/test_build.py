@@ -206,3 +206,14 @@ def test_manifest_detects_tampering(tiny_gguf: Path, tmp_path: Path) -> None:
         load_manifest(out)
     with pytest.raises(ManifestError, match="no manifest"):
         load_manifest(tmp_path / "nowhere")
+
+
+def test_default_shard_budget_keeps_a_margin_under_the_measured_edge() -> None:
+    """The auto topology must stay clear of the 1,921 MiB shard measured ANE-resident (the edge
+    lies somewhere between it and ~2.3 GiB): at least 5% under it with the default budget."""
+    from ane_spec.shards.topology import DEFAULT_MAX_SHARD_MB, MIB, layer_bytes
+
+    c = preset("phi4-mini").to_config()
+    ranges = plan_topology(c, "int8-channel", DEFAULT_MAX_SHARD_MB)
+    largest = max(b - a for a, b in ranges) * layer_bytes(c, "int8-channel") / MIB
+    assert largest <= 0.95 * 1921, (ranges, largest)

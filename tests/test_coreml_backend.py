@@ -203,16 +203,8 @@ def test_program_casts_inputs_and_passes_state_only_when_stateful() -> None:
 # --- macOS only ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory: pytest.TempPathFactory):
-    from ane_spec.manifests.store import load_manifest
-    from ane_spec.model.synthetic import preset, write_synthetic_gguf
-    from ane_spec.shards.build import BuildRequest, build
-
-    root = tmp_path_factory.mktemp("coreml")
-    gguf = write_synthetic_gguf(root / "tiny2.gguf", preset("tiny", num_layers=2, embed_std=1.0,
-                                                            branch_scale=1.0, seed=7))
-    build(gguf, root / "art", BuildRequest(topology="2", max_seq=S))
-    return root / "art", load_manifest(root / "art").manifest
+def artifacts(coreml_build):
+    return coreml_build
 
 
 def layer_inputs(entry, pos: int, t: int, rng: np.random.Generator) -> dict[str, np.ndarray]:

@@ -299,12 +299,12 @@ def test_limits_and_bad_requests(server, pipeline) -> None:
         ({"messages": msgs, "max_tokens": 0}, "max_tokens"),
         ({"messages": msgs, "max_tokens": "ten"}, "max_tokens"),
         ({"messages": msgs, "temperature": -1}, "temperature"),
-        ({"messages": msgs, "top_p": 0}, "top_p"),
+        ({"messages": msgs, "top_p": -0.1}, "top_p"),
         ({"messages": msgs, "n": 3}, "n"),
         ({"messages": msgs, "top_logprobs": 3}, "top_logprobs"),
         ({"messages": msgs, "stream": "yes"}, "stream"),
         ({"messages": msgs, "max_tokens": 5.0}, "max_tokens"),
-        ({"messages": msgs, "stop": ["x"] * 17}, "stop"),
+        ({"messages": msgs, "stop": ["x" * 513]}, "stop"),
         ({"messages": msgs, "mirostat": 2}, "mirostat"),
         ({"messages": msgs, "logit_bias": {"hello": 1}}, "logit_bias"),
         ({"messages": msgs, "logit_bias": {"1": 500}}, "logit_bias"),
@@ -329,8 +329,6 @@ def test_limits_and_bad_requests(server, pipeline) -> None:
     ]:
         e = error_of(httpx.post(chat, json=body), 400)
         assert e["param"] == param, (body, e)
-    e = error_of(httpx.post(comp, json={"prompt": "x", "stop": ["s"] * 17}), 400)
-    assert e["param"] == "stop" and "at most 16 stop strings are allowed, got 17" in e["message"]
     for body, param in [({"prompt": [1, 5000]}, "prompt"), ({"prompt": [-1]}, "prompt"),
                         ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": ""}, "prompt"),
                         ({"prompt": "a", "echo": True}, "echo"), ({"max_tokens": 3}, "prompt")]:
@@ -351,8 +349,8 @@ def test_limits_and_bad_requests(server, pipeline) -> None:
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
     e = error_of(httpx.post(f"{url}/v1/embeddings", json={"input": "x", "model": "m"}), 501)
     assert "embeddings are not supported" in e["message"]
-    e = error_of(httpx.post(chat, json={"messages": msgs, "stop": ["x"] * 17}), 400)
-    assert "at most 16 stop strings" in e["message"]
+    e = error_of(httpx.post(chat, json={"messages": msgs, "mirostat": 2}), 400)
+    assert "mirostat 1 and 2 are not implemented" in e["message"]
     e = error_of(httpx.post(chat, json={"messages": msgs, "n": 2}), 400)
     assert "only n=1" in e["message"]
     e = error_of(httpx.post(chat, json={"messages": [{"role": "user", "content": [

@@ -9,7 +9,6 @@ the server's speculative output must be token-identical.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import httpx
@@ -18,7 +17,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from ane_spec.daemon.config import ServeConfig
-from ane_spec.daemon.server import BackgroundServer
+from tests.live_server import started
 
 S = 512
 ORIGIN = "http://playground.example"
@@ -40,15 +39,6 @@ class Person(BaseModel):
 @pytest.fixture(scope="module")
 def artifacts(tiny_build_512: Path) -> Path:
     return tiny_build_512  # S tokens of context
-
-
-def started(config: ServeConfig) -> BackgroundServer:
-    srv = BackgroundServer(config).start()
-    deadline = time.monotonic() + 60
-    while httpx.get(f"{srv.url}/health").status_code != 200:
-        assert time.monotonic() < deadline, "the server did not become ready"
-        time.sleep(0.02)
-    return srv
 
 
 @pytest.fixture(scope="module")

@@ -70,13 +70,13 @@ def test_well_typed_requests_still_pass() -> None:
     assert CompletionRequest.model_validate({"prompt": [1, 2, 3]}).single_prompt() == [1, 2, 3]
 
 
-def test_too_many_stop_strings_says_so() -> None:
+def test_any_number_of_stop_strings_within_the_body_limit() -> None:
+    # llama-server takes any number; the matcher's cost does not grow with their count.
+    stops = [f"s{i}" for i in range(5000)]
+    assert len(CompletionRequest.model_validate({"prompt": "x", "stop": stops}).stops) == 5000
     with pytest.raises(ValidationError) as info:
-        CompletionRequest.model_validate({"prompt": "x", "stop": ["s"] * 17})
-    (error,) = info.value.errors()
-    assert error["loc"] == ("stop",)
-    assert error["msg"] == "Value error, at most 16 stop strings are allowed, got 17"
-    assert CompletionRequest.model_validate({"prompt": "x", "stop": ["s"] * 16}).stops
+        CompletionRequest.model_validate({"prompt": "x", "stop": ["s" * 513]})
+    assert info.value.errors()[0]["loc"][0] == "stop"
 
 
 # --- slow clients -----------------------------------------------------------------------------

@@ -27,3 +27,29 @@ def test_demo_completes_the_prompt_identically_with_and_without_speculation(
     assert completion.startswith(" " * 8)  # it continues the method body it was given
     # The repetition penalty keeps it writing code rather than `name, name, name, ...`.
     assert len(set(completion.split())) >= 25
+
+
+@pytest.mark.slow
+def test_demo_on_core_ml_through_the_standin(tmp_path: Path, coreml_standin, capsys) -> None:
+    """`ane-spec demo --backend coreml` end to end with Core ML's native layer replaced by the
+    stand-in: every gate on Core ML passes, residency says it needs the hardware, and the
+    speculative tokens equal greedy's."""
+    from ane_spec.cli import main
+
+    assert main(["demo", "--backend", "coreml", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    for gate in ("row-invariance [coreml]", "parity [coreml/fixed]", "block [coreml]",
+                 "drift [coreml/fixed]"):
+        assert f"{gate}: PASS" in text, text
+    assert "residency: SKIPPED (needs Apple hardware" in text
+    assert "identical tokens: yes" in text and "on Core ML (CPU_AND_NE" in text
+
+
+def test_a_failed_residency_on_tiny_code_is_expected() -> None:
+    from ane_spec.demo import TINY_CODE_RESIDENCY_NOTE, gate_line
+    from ane_spec.probes.report import GateReport
+
+    failed = GateReport("residency", False, "coreml", None, {"compute_non_ane": 12}, {}, {})
+    assert gate_line(failed).endswith(f"({TINY_CODE_RESIDENCY_NOTE})")
+    other = GateReport("block", False, "coreml", None, {"min_cosine": 0.5}, {}, {})
+    assert TINY_CODE_RESIDENCY_NOTE not in gate_line(other)

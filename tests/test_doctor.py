@@ -4,6 +4,8 @@ the interpreter and static checks run for real and the Core ML ones are skipped.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import pytest
 
 from ane_spec.cli import main
 from ane_spec.probes import doctor
-from ane_spec.probes.doctor import CHECKS, Verdict, run_doctor
+from ane_spec.probes.doctor import CHECKS, Verdict, core_ml_check, run_doctor
 from ane_spec.probes.doctor_report import to_markdown
 from ane_spec.shards.build import BuildRequest, build
 
@@ -133,3 +135,87 @@ def test_on_a_mac_every_core_ml_check_runs(build_dir: Path) -> None:
         assert checks[name].status != "skipped" or name == "parity", checks[name]
     assert "first predictions" in checks["cold-jit"].summary
     assert set(checks["residency"].details) == {"shard 0-2", "head"}
+
+
+# --- through the Core ML stand-in (tests/coreml_standin.py) -----------------------------------
+
+HARDWARE = {"neural-engine", "synthetic-t4 d1024 (Core ML)", "synthetic-t4 phi (Core ML)",
+            "residency", "cold-jit", "warm-latency", "peak-memory", "ane-vs-cpu"}
+
+
+@pytest.fixture
+def standin_everywhere(coreml_standin, monkeypatch: pytest.MonkeyPatch):
+    """The stand-in in this process and in the doctor's worker children (sitecustomize)."""
+    for key, value in coreml_standin.child_env().items():
+        monkeypatch.setenv(key, value)
+    return coreml_standin
+
+
+def test_doctor_end_to_end_through_the_standin(build_dir: Path, tmp_path: Path,
+                                               standin_everywhere, capsys) -> None:
+    """`ane-spec doctor --manifest M --out R.md` with Core ML's native layer replaced: the real
+    Core ML path runs in the worker child; what needs Apple hardware is skipped, saying why."""
+    report = tmp_path / "R.md"
+    code = main(["doctor", "--manifest", str(build_dir), "--out", str(report)])
+    assert code == 0, capsys.readouterr()
+    body = json.loads(report.with_suffix(".json").read_text())
+    checks = {c["name"]: c for c in body["checks"]}
+    assert list(checks) == [name for name, _ in CHECKS]
+    assert body["environment"]["core_ml"] == "available"
+    for name in HARDWARE:
+        assert checks[name]["status"] == "skipped", checks[name]
+        assert "needs Apple hardware" in checks[name]["summary"], checks[name]
+    assert "structure only" in checks["residency"]["summary"]
+    for name in MODEL_CHECKS | BUILD_FIGURES | {"environment", "fp16-only", "ane-lint"}:
+        assert checks[name]["status"] == "passed", checks[name]
+    # The model checks ran on Core ML (the stand-in), not on the interpreter fallback.
+    assert checks["row-invariance"]["details"]["backend"] == "coreml"
+    assert checks["drift"]["summary"].startswith("[coreml")
+    # The block gate's T=1 rows switch shapes on the Infrequent-hinted shard: counted.
+    assert body["cost"]["shape_switches"] >= 1 and body["cost"]["seconds"] > 0
+    markdown = report.read_text()
+    assert "| row-invariance | passed |" in markdown and "shape switch" in markdown
+
+
+@core_ml_check
+def kill_self(run) -> Verdict:
+    os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError("unreachable")
+
+
+@core_ml_check
+def worker_pid(run) -> Verdict:
+    return Verdict("passed", f"pid {os.getpid()}", {"pid": os.getpid()})
+
+
+def test_a_native_crash_is_reported_and_later_checks_still_run(standin_everywhere,
+                                                               tmp_path: Path) -> None:
+    """A check whose process dies of a signal (as a libc++ abort or a segfault in Core ML
+    would) reads `crashed: signal N during <check>`; the report is on disk after every check;
+    the next Core ML check gets a fresh worker."""
+    from ane_spec.probes.doctor_report import to_json, write_atomically
+
+    snapshots = []
+
+    def save(done) -> None:
+        write_atomically(tmp_path / "R.json", to_json(done, None))
+        snapshots.append(json.loads((tmp_path / "R.json").read_text())["counts"])
+
+    checks = run_doctor(checks=[("pid", worker_pid), ("kill-self", kill_self),
+                                ("environment", doctor.check_environment),
+                                ("pid again", worker_pid)], on_check=save)
+    assert [(c.name, c.status) for c in checks] == [
+        ("pid", "passed"), ("kill-self", "failed"), ("environment", "passed"),
+        ("pid again", "passed")]
+    assert checks[1].summary == f"crashed: signal {int(signal.SIGKILL)} during kill-self"
+    pids = {checks[0].details["pid"], checks[3].details["pid"], os.getpid()}
+    assert len(pids) == 3  # two workers, neither of them this process
+    assert [sum(s.values()) for s in snapshots] == [1, 2, 3, 4]
+
+
+def test_ane_vs_cpu_warns_on_small_macs() -> None:
+    from ane_spec.probes.doctor import small_mac_warning
+
+    assert "16 GB" in small_mac_warning(16 * 10**9) and "second full copy" in small_mac_warning(
+        8 * 10**9)
+    assert small_mac_warning(32 * 10**9) is None and small_mac_warning(None) is None

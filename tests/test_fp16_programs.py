@@ -4,9 +4,8 @@ rows the scatter writes are finite whatever a row computed."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import warnings
+from pathlib import Path
 
 import coremltools as ct
 import numpy as np
@@ -211,3 +210,53 @@ def test_hidden_slots_get_zero_weight_whatever_they_score(precision: str) -> Non
     # The documented limit: a row whose every visible score is below HIDDEN_SCORE + 17 (here
     # -inf, a row whose own arithmetic broke) gives the hidden slots weight; it stays finite.
     assert np.isfinite(probs[3]).all() and (probs[3, :8] == 0).all()
+
+
+def rms_program(eps: np.float16):
+    @mb.program(input_specs=[mb.TensorSpec((1, 64, 2, 1), dtype=types.fp16)],
+                opset_version=ct.target.iOS18)
+    def prog(x):
+        return mb.layer_norm(x=x, axes=[1], epsilon=eps, name="y")
+    return prog
+
+
+def test_subnormal_rms_eps_in_the_fp16_interpreter() -> None:
+    """Defect 6: rms_eps 1e-5 is subnormal in fp16. The fp16 interpreter keeps it (1.0014e-5),
+    so an all-zero row normalises to 0; flushed to zero, as the ANE may do, the same row is
+    NaN. Rows with real content barely notice."""
+    eps = np.float16(1e-5)
+    assert 0 < eps < np.finfo(np.float16).smallest_normal
+    x = np.zeros((1, 64, 2, 1), np.float16)
+    x[0, :, 1, 0] = np.random.default_rng(0).standard_normal(64)  # row 1 real, row 0 zero
+    kept = MILInterpreter.from_program(rms_program(eps), "fp16").predict({"x": x})["y"]
+    flushed = MILInterpreter.from_program(rms_program(np.float16(0)), "fp16").predict({"x": x})["y"]
+    assert not kept[0, :, 0].any() and np.isfinite(kept).all()
+    assert np.isnan(flushed[0, :, 0]).all()
+    # A real row: mean(x^2) ~ 1 dwarfs 1e-5; the two differ by at most an fp16 rounding step.
+    np.testing.assert_allclose(kept[0, :, 1], flushed[0, :, 1], rtol=1e-3)
+
+
+def test_no_probe_feeds_an_all_zero_row(coreml_standin, coreml_build, monkeypatch) -> None:
+    """Every row the probes and the doctor's first predictions send to a layer shard has
+    content, so a flushed-to-zero eps can never turn one into NaN."""
+    from ane_spec.probes.doctor import jit_rows
+    from ane_spec.probes.gates import open_pipeline, run_gates
+
+    zero_rows = []
+    real = coreml_standin.StandinModel.predict
+
+    def recording(self, data, state=None):
+        if "kv_write_mask" in data:  # a layer shard
+            norms = np.abs(data["x"]).reshape(data["x"].shape[1], -1).max(axis=0)
+            zero_rows.extend(int(i) for i in np.flatnonzero(norms == 0))
+        return real(self, data, state)
+
+    monkeypatch.setattr(coreml_standin.StandinModel, "predict", recording)
+    out, _ = coreml_build
+    _, pipeline = open_pipeline(out, "coreml", "fp32")
+    for width in (1, 4):
+        pipeline.run_shards(jit_rows(pipeline, width), pipeline.host.block(0, width),
+                            pipeline.new_state())
+    run_gates(out, ("row-invariance", "overflow", "block", "drift"), backend="coreml", precision="fp32",
+              save=False)
+    assert zero_rows == []

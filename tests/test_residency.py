@@ -399,3 +399,66 @@ def test_compiled_plan_has_the_saved_programs_op_types(builds) -> None:
         # d=64), so whether it passes is not asserted: only that the report is consistent.
         assert report.passed == (report.compute_non_ane == 0 and report.conv_non_ane == 0
                                  and report.compute_total > 0)
+
+
+# --- ANE limits with their sources (ane_spec/ane_limits.py, issue 18 defect 5) ----------------
+
+def test_max_seq_above_the_ane_spatial_limit_is_linted_and_warned(tmp_path: Path) -> None:
+    from ane_spec.ane_limits import ANE_MAX_SPATIAL, build_warnings
+
+    def program(seq: int):
+        @mb.program(input_specs=[mb.TensorSpec((1, 1, seq, 32), dtype=types.fp16),
+                                 mb.StateTensorSpec((1, 1, seq, 32), dtype=types.fp16)],
+                    opset_version=OPSET)
+        def prog(x, cache):
+            y = mb.add(x=mb.read_state(input=cache), y=x)
+            mb.coreml_update_state(state=cache, value=y)
+            return mb.mul(x=y, y=np.float16(1), name="out")
+        return prog
+
+    seq = ANE_MAX_SPATIAL + 32
+    long = save(program(seq), tmp_path / "long.mlpackage", [fp16_input("x", (1, 1, seq, 32))])
+    ok = save(program(ANE_MAX_SPATIAL), tmp_path / "ok.mlpackage",
+              [fp16_input("x", (1, 1, ANE_MAX_SPATIAL, 32))])
+    warning = next(w for w in ane_lint(long) if w.code == "max-seq")
+    assert "16,384" in warning.message and "ANEMLL" in warning.message
+    assert "max-seq" not in codes(ok)
+    assert any("ANEMLL" in w for w in build_warnings(seq, "int8-channel", False))
+    assert build_warnings(ANE_MAX_SPATIAL, "int8-channel", False) == []
+
+
+def test_q8_block_and_argmax_say_their_sources(builds, gguf: Path, tmp_path: Path) -> None:
+    from ane_spec.ane_limits import build_warnings
+
+    message = ane_lint(builds["q8-block"][0])[0].message
+    assert "wrong output" in message and "0.37" in message
+    lines = []
+    result = build(gguf, tmp_path / "argmax", BuildRequest(topology="2", max_seq=64,
+                                                          head_argmax=True),
+                   progress=lines.append)
+    assert any("reduce_argmax" in w for w in result.warnings)
+    assert any(line.startswith("warning: --head-argmax") for line in lines)
+    head = ane_lint(tmp_path / "argmax" / "head.mlpackage")
+    assert [w.code for w in head] == ["argmax"] and "CPU" in head[0].message
+    assert any("wrong output" in w for w in build_warnings(64, "q8-block", False))
+
+
+def test_q8_block_is_refused_on_the_neural_engine_unless_forced(
+        builds, coreml_standin, monkeypatch) -> None:
+    from ane_spec.ane_limits import FORCE_Q8_BLOCK_ENV
+    from ane_spec.probes.gates import open_pipeline
+
+    from ane_spec.manifests.store import load_manifest
+    from ane_spec.runtime.backend import make_backend
+    from ane_spec.runtime.pipeline import ShardPipeline
+
+    q8 = builds["q8-block"][0].parents[1]
+    loaded = load_manifest(q8)
+    monkeypatch.delenv(FORCE_Q8_BLOCK_ENV, raising=False)
+    for units in ("CPU_AND_NE", "ALL"):
+        with pytest.raises(AneSpecError, match="q8-block.*wrong output.*" + FORCE_Q8_BLOCK_ENV):
+            ShardPipeline(loaded, make_backend("coreml", compute_units=units))
+    ShardPipeline(loaded, make_backend("coreml", compute_units="CPU_ONLY"))
+    monkeypatch.setenv(FORCE_Q8_BLOCK_ENV, "1")
+    open_pipeline(q8, "coreml", "fp32")
+    open_pipeline(q8, "mil", "fp32")  # the interpreter is not the ANE: never refused

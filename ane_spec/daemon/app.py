@@ -31,8 +31,10 @@ from ane_spec import __version__
 from ane_spec.model.chat import PHI4_MINI_CHAT_TEMPLATE
 from ane_spec.daemon.config import ServeConfig, host_name
 from ane_spec.daemon.draft_scopes import scope_of
+from ane_spec.daemon import llama_server_api, ollama_api, responses_api
 from ane_spec.daemon.engine import Engine, Job, NotReady, QueueFull, SlotAction, WorkItem
 from ane_spec.daemon.metrics import CONTENT_TYPE
+from ane_spec.daemon.path_aliases import PathAliases
 from ane_spec.daemon.protocol import (
     RANDOM_SEED, SEED_MAX, ChatCompletionRequest, ChatMessage, CompletionRequest,
     DetokenizeRequest, Envelope, FunctionSpec, ResponseFormat, SpeculationOptions, StreamOptions,
@@ -345,8 +347,12 @@ def _sampling(engine: Engine, body: ChatCompletionRequest | CompletionRequest) -
     last_n = 64 if body.repeat_last_n is None else body.repeat_last_n
     # llama.cpp: seed -1 draws a random seed, as no seed does.
     seed = None if body.seed in (None, RANDOM_SEED) else body.seed & SEED_MAX
+    # top_p 0: llama.cpp's top-p keeps min_keep = 1 token, the most likely after the
+    # processors, which is what greedy decoding picks; decoding it greedily keeps it exact.
+    greedy = body.top_p == 0
     return SamplingParams(
-        temperature=body.temperature or 0.0, top_p=1.0 if body.top_p is None else body.top_p,
+        temperature=0.0 if greedy else body.temperature or 0.0,
+        top_p=1.0 if body.top_p is None or greedy else body.top_p,
         top_k=max(body.top_k or 0, 0), min_p=body.min_p or 0.0,
         repeat_penalty=1.0 if body.repeat_penalty is None else body.repeat_penalty,
         repeat_last_n=engine.context if last_n == -1 else last_n,
@@ -418,7 +424,7 @@ def extension(engine: Engine, job: Job, result) -> dict[str, Any]:  # noqa: ANN0
             "fill_drafts": engine.fill_drafts,
             "guard_margin": engine.session.guard_margin if engine.session else None,
             "queue_seconds": round(job.queue_seconds, 4), "time_to_first_token_seconds": ttft,
-            "stats": result.stats.to_dict()}
+            "stop_word": result.stop_word, "stats": result.stats.to_dict()}
 
 
 def sse(obj: Any) -> str:
@@ -468,6 +474,7 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
     allowed_hosts = config.allowed_host_names
     if allowed_hosts is not None:
         app.add_middleware(HostCheck, allowed=allowed_hosts, engine=engine)
+    app.add_middleware(PathAliases)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -766,6 +773,11 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
             if not finished:  # the client went away (the response task was cancelled)
                 engine.cancel(job)
                 metrics.request(kind, "cancelled")
+
+    # The other protocols: thin adapters over `generate` (see relay.py).
+    app.include_router(llama_server_api.router(engine, generate))
+    app.include_router(ollama_api.router(engine, generate))
+    app.include_router(responses_api.router(engine, generate))
 
     return app
 

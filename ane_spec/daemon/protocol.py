@@ -10,6 +10,10 @@ non-text content (images, audio, files) and the deprecated functions API. Unknow
 ignored, as clients send vendor extras. Types are strict: `"stream": "yes"` is refused, not
 coerced.
 
+Lenient where llama-server is, since clients count on it: `max_tokens` / `n_predict` -1 is the
+rest of the context, `top_p: 0` keeps only the most likely token (see app._sampling), any
+number of stop strings, and a sampler field set to null or its neutral value is accepted.
+
 Deviation from OpenAI: `temperature` defaults to 0 (greedy), the exact speculative path; pass a
 temperature for sampling. Extensions travel in one field named `ane_spec`, both ways.
 """
@@ -25,8 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ane_spec.daemon.config import MAX_NGRAM
 
-MAX_STOPS = 16
-MAX_STOP_CHARS = 512
+MAX_STOP_CHARS = 512  # per stop string; their number is bounded only by the body limit
 MAX_TOOLS = 128
 SEED_MAX = 2**64 - 1
 RANDOM_SEED = -1  # llama.cpp's "pick a random seed"
@@ -75,10 +78,12 @@ class _Generation(BaseModel):
     model_config = _STRICT
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    # -1 (LM Studio, llama.cpp): until the context is full; 0 is refused, as it asks for nothing.
+    max_tokens: int | None = Field(None, ge=-1)
     n_predict: int | None = Field(None, ge=-1)  # llama.cpp: -1 = until the context is full
     temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    # 0: llama.cpp's top-p keeps min_keep = 1 token, the most likely one, so 0 decodes greedily.
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)  # llama.cpp: <= 0 = off
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repeat_penalty: float | None = Field(None, gt=0.0, le=100.0)
@@ -98,12 +103,11 @@ class _Generation(BaseModel):
     grammar: str | None = None  # llama-server: a GBNF grammar
     ane_spec: SpeculationOptions | None = None
 
-    @field_validator("stop", mode="before")
+    @field_validator("max_tokens", "max_completion_tokens", check_fields=False)
     @classmethod
-    def _count_stops(cls, value: Any) -> Any:
-        # Checked before the str | list union, which would report only "not a valid string".
-        if isinstance(value, list) and len(value) > MAX_STOPS:
-            raise ValueError(f"at most {MAX_STOPS} stop strings are allowed, got {len(value)}")
+    def _some_tokens(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("must be at least 1, or -1 for the rest of the context")
         return value
 
     @model_validator(mode="before")
@@ -111,8 +115,9 @@ class _Generation(BaseModel):
     def _refuse_unsupported_samplers(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name, neutral in _NEUTRAL_LLAMA_CPP.items():
-                if data.get(name, neutral) != neutral:
-                    hint = " (use logprobs / top_logprobs)" if name == "n_probs" else ""
+                if data.get(name) not in (None, neutral):  # null: the client's "not set"
+                    hint = {"n_probs": " (use logprobs / top_logprobs)",
+                            "mirostat": " (mirostat 1 and 2 are not implemented)"}.get(name, "")
                     raise ValueError(f"{name}: this server does not run that sampler; leave it "
                                      f"at {neutral}{hint}")
         return data
@@ -140,9 +145,9 @@ class _Generation(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def requested_max_tokens(self) -> int | None:
-        """The cap the client asked for; None: no cap."""
+        """The cap the client asked for; None: no cap (the rest of the context)."""
         if self.max_tokens is not None:
-            return self.max_tokens
+            return None if self.max_tokens < 0 else self.max_tokens
         if self.n_predict is not None and self.n_predict >= 0:
             return max(self.n_predict, 1)
         return None
@@ -307,7 +312,7 @@ class ResponseFormat(BaseModel):
 
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=-1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
@@ -359,7 +364,7 @@ class ChatCompletionRequest(_Generation):
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
-            return self.max_completion_tokens
+            return None if self.max_completion_tokens < 0 else self.max_completion_tokens
         return super().requested_max_tokens()
 
     @property
@@ -373,7 +378,7 @@ class ChatCompletionRequest(_Generation):
 
 class CompletionRequest(_Generation):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(16, ge=-1)  # OpenAI's default for completions
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None

@@ -33,6 +33,7 @@ from typing import Any
 from ane_spec.daemon.protocol import ChatMessage, NamedToolChoice, Tool, tool_call_delta
 from ane_spec.decode.grammar import JSON_OPTIONS
 from ane_spec.decode.grammar_limits import GrammarLimits, check_json_depth
+from ane_spec.decode.json_tightening import tighten
 from ane_spec.decode.stops import StopMatcher
 from ane_spec.model.chat import Markup
 
@@ -106,7 +107,7 @@ def tool_call_grammar(tools: list[Tool], choice: str | NamedToolChoice | None,
         "x-guidance": JSON_OPTIONS}
     if parallel is False:
         calls["maxItems"] = 1
-    call = f"call: {TOOL_CALL} %json {json.dumps(calls)} {TOOL_CALL_END}"
+    call = f"call: {TOOL_CALL} %json {json.dumps(tighten(calls))} {TOOL_CALL_END}"
     if choice in (None, "auto"):
         # Any text that does not spell the call tag in ordinary tokens (llguidance's & and ~).
         marker = re.escape(TOOL_CALL).replace("/", "\\/")

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from ane_spec.decode.json_tightening import tighten
 from ane_spec.errors import AneSpecError
 from ane_spec.model.tokenizer import Tokenizer
 
@@ -74,11 +75,12 @@ def grammar_tokenizer(tok: Tokenizer):  # noqa: ANN201 - llguidance.LLTokenizer
 
 
 def json_schema_grammar(schema: dict[str, Any] | None) -> str:
-    """A grammar for JSON matching `schema`, or for any JSON object when it is None."""
+    """A grammar for JSON matching `schema`, or for any JSON object when it is None, as tight
+    as llama.cpp's (json_tightening.py)."""
     llg = _llguidance()
     try:
         return llg.LLMatcher.grammar_from_json_schema(
-            {"type": "object"} if schema is None else schema, overrides=JSON_OPTIONS)
+            tighten({"type": "object"} if schema is None else schema), overrides=JSON_OPTIONS)
     except (ValueError, TypeError) as exc:
         raise GrammarError(f"the JSON schema cannot be used: {exc}") from None
 

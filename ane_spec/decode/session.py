@@ -75,6 +75,7 @@ class GenerationResult:
     # the model's own distribution (the row's raw logits, before any processor).
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     grammar_complete: bool | None = None  # with a grammar: did the output complete it
+    stop_word: str | None = None  # the stop string that ended the output, if one did
 
     def to_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "tokens": self.tokens, "text": self.text,
@@ -332,4 +333,4 @@ class _Run:
         return GenerationResult(
             self.stats.prompt_tokens, self.tokens, "".join(self.text), self.finish or "length",
             self.stats, None if self.logprobs is None else self.logprobs[:len(self.tokens)],
-            None if grammar is None else grammar.accepting)
+            None if grammar is None else grammar.accepting, self.stops.word)

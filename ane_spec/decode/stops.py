@@ -2,31 +2,42 @@
 
 Text is released only when no stop string could still begin inside it, so a client never sees
 the first half of a stop sequence; once one completes, everything from its start is dropped.
+
+Clients may send any number of stop strings (llama-server sets no limit), so nothing here
+loops over them: the strings are kept sorted, and each question ("does a stop string start
+here?", "could one still start here?") is a few binary searches, whatever their number.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
+from os.path import commonprefix
 
 
 class StopMatcher:
     def __init__(self, stops: Sequence[str] = ()):
-        self.stops = [s for s in stops if s]
+        self.stops = sorted({s for s in stops if s})
+        self.longest = max(map(len, self.stops), default=0)
         self.held = ""
         self.stopped = False
+        self.word: str | None = None  # the stop string that ended the text
         self.tail = ""  # the text after the stop string, once one completed
 
     def push(self, text: str) -> str:
         """Add newly decoded text; return what is safe to emit now."""
         if self.stopped:
             return ""
+        if not self.stops:
+            return text
         self.held += text
-        found = [(i, -len(s), s) for s in self.stops if (i := self.held.find(s)) >= 0]
-        if found:
-            cut, _, stop = min(found)
-            self.stopped = True
-            out, self.tail, self.held = self.held[:cut], self.held[cut + len(stop):], ""
-            return out
+        for start in range(len(self.held)):
+            stop = self._stop_at(self.held[start:start + self.longest])
+            if stop is not None:
+                self.stopped, self.word = True, stop
+                out = self.held[:start]
+                self.tail, self.held = self.held[start + len(stop):], ""
+                return out
         keep = self._longest_partial_suffix()
         out = self.held[: len(self.held) - keep]
         self.held = self.held[len(self.held) - keep:]
@@ -36,12 +47,29 @@ class StopMatcher:
         out, self.held = ("" if self.stopped else self.held), ""
         return out
 
+    def _stop_at(self, text: str) -> str | None:
+        """The longest stop string that is a prefix of `text`, if any. Prefixes of `text` sort
+        in length order, so the largest string <= text that is one is the longest; when the
+        largest string <= text is not one, any that is must be a prefix of what the two share."""
+        hi = bisect_right(self.stops, text)
+        while hi:
+            candidate = self.stops[hi - 1]
+            if text.startswith(candidate):
+                return candidate
+            shared = len(commonprefix([candidate, text]))
+            if shared == 0:
+                return None
+            text = text[:shared]
+            hi = bisect_right(self.stops, text, 0, hi - 1)
+        return None
+
     def _longest_partial_suffix(self) -> int:
-        """Length of the longest suffix of held text that is a proper prefix of a stop string."""
-        best = 0
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(self.held)), best, -1):
-                if self.held.endswith(s[:n]):
-                    best = n
-                    break
-        return best
+        """Length of the longest suffix of held text that is a proper prefix of a stop string:
+        the strings starting with a given text sort together, from the first one >= it."""
+        for start in range(max(0, len(self.held) - self.longest + 1), len(self.held)):
+            suffix = self.held[start:]
+            i = bisect_left(self.stops, suffix)
+            if i < len(self.stops) and self.stops[i].startswith(suffix):
+                return len(self.held) - start
+        return 0
+

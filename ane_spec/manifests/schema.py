@@ -88,6 +88,17 @@ class BuildOptions(_Strict):
     topology: list[Count]
     max_seq: int = Field(ge=32, le=MAX_SEQ_LIMIT, multiple_of=32)
     t_range: tuple[Count, Annotated[int, Field(ge=1, le=MAX_T_LIMIT)]] = (1, 4)
+    # The T every input's RangeDim defaults to: the one shape MLComputePlan plans, so the shape
+    # the residency gate covers (and the only one the ANE is assured at). Builds made before this
+    # was recorded defaulted to 1.
+    default_t: Annotated[int, Field(ge=1, le=MAX_T_LIMIT)] = 1
+
+    @model_validator(mode="after")
+    def _default_in_range(self) -> "BuildOptions":
+        if not self.t_range[0] <= self.default_t <= self.t_range[1]:
+            raise ValueError(f"build.default_t {self.default_t} is outside t_range "
+                             f"{list(self.t_range)}")
+        return self
     layout: Literal["BCT1", "BC1T"]
     weights: Literal["int8-channel", "q8-block", "fp16"]
     head_chunks: Count

@@ -64,8 +64,12 @@ def residency_or_lint(package: Path, compute_units: str = "CPU_AND_NE",
                           {"compute_non_ane": 0}, {"lint": lint},
                           skipped=f"{exc}; the static ANE lint ran instead: {len(lint)} warnings")
     figures = {k: getattr(r, k) for k in RESIDENCY_COUNTS} | {"lint_warnings": len(lint)}
+    skipped = None
+    if r.undetermined:
+        ops = r.conv_total + sum(r.unplanned.values())
+        skipped = f"{r.undetermined}; structure only: {ops} op(s) read, placement unknown"
     return GateReport("residency", r.passed, "coreml", None, figures, {"compute_non_ane": 0},
-                      {"lint": lint, "packages": [r.to_dict()]})
+                      {"lint": lint, "packages": [r.to_dict()]}, skipped=skipped)
 
 
 RESIDENCY_COUNTS = ("conv_total", "conv_non_ane", "compute_total", "compute_non_ane")
@@ -78,8 +82,13 @@ def gate_residency(loaded: LoadedManifest, compute_units: str = "CPU_AND_NE") ->
     lint = [w for r in parts for w in r.details["lint"]]
     if any(r.skipped for r in parts):
         return GateReport("residency", False, "coreml", None, {"lint_warnings": len(lint)},
-                          {"compute_non_ane": 0}, {"lint": lint}, skipped=parts[0].skipped)
+                          {"compute_non_ane": 0},
+                          {"lint": lint, "packages": [p for r in parts
+                                                      for p in r.details.get("packages", [])]},
+                          skipped="; ".join(dict.fromkeys(r.skipped for r in parts if r.skipped)))
     figures = {k: sum(r.figures[k] for r in parts) for k in RESIDENCY_COUNTS}
+    # MLComputePlan plans the RangeDim default shape only: the one shape this verdict covers.
+    figures["planned_t"] = loaded.manifest.build.default_t
     figures["lint_warnings"] = len(lint)
     return GateReport("residency", all(r.passed for r in parts), "coreml", None, figures,
                       {"compute_non_ane": 0},

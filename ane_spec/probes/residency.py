@@ -17,8 +17,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ane_spec.ane_limits import ANE_MAX_SPATIAL, ARGMAX_NOTE, MAX_SEQ_SOURCE, Q8_BLOCK_SOURCE
 from ane_spec.errors import AneSpecError
-from ane_spec.runtime.coreml_backend import check_compute_units, compile_package, require_macos
+from ane_spec.runtime.coreml_backend import (
+    check_compute_units,
+    compile_package,
+    hardware_problem,
+    require_macos,
+)
 from ane_spec.shards.static_checks import read_package_facts
 from ane_spec.shards.topology import DEFAULT_MAX_SHARD_MB, MIB
 
@@ -34,6 +40,10 @@ class ResidencyReport:
     unplanned: dict[str, int] = field(default_factory=dict)  # op type -> ops with usage None
     non_ane_ops: list[dict[str, Any]] = field(default_factory=list)
     # each {"op": type, "output": first output name, "device": preferred device, "cost": weight}
+    # Why placement is unknown although the plan loaded (a stand-in for Core ML's native layer
+    # reads structure only); None on real Core ML.
+    undetermined: str | None = None
+    argmax_devices: list[str] = field(default_factory=list)  # where each reduce_argmax goes
 
     @property
     def passed(self) -> bool:
@@ -55,7 +65,9 @@ def residency_report(package: Path, compute_units: str = "CPU_AND_NE",
     compiled = compile_package(package, sha256)
     # MLComputePlan.load_from_path(path, compute_units) on the .mlmodelc (models/compute_plan.py)
     plan = MLComputePlan.load_from_path(str(compiled), compute_units=ct.ComputeUnit[compute_units])
-    return plan_residency(plan, str(package), compute_units)
+    report = plan_residency(plan, str(package), compute_units)
+    report.undetermined = hardware_problem()
+    return report
 
 
 def op_kind(operator_name: str) -> str:
@@ -78,6 +90,9 @@ def plan_residency(plan: Any, package: str, compute_units: str) -> ResidencyRepo
         if kind == "const" or kind.startswith("constexpr_"):
             continue  # weights and their decompression
         usage = plan.get_compute_device_usage_for_mlprogram_operation(op)
+        if kind == "reduce_argmax":  # --head-argmax: likely the CPU (ane_limits.ARGMAX_NOTE)
+            report.argmax_devices.append("unplanned" if usage is None else
+                                         type(usage.preferred_compute_device).__name__)
         is_conv = kind == "conv"
         report.conv_total += is_conv
         if usage is None:
@@ -101,6 +116,11 @@ def plan_residency(plan: Any, package: str, compute_units: str) -> ResidencyRepo
     return report
 
 
+# Lint codes that inform without failing the doctor's ane-lint check: a choice the user made
+# knowingly whose placement only the compute plan can settle.
+INFORMATIONAL_LINT = frozenset({"argmax"})
+
+
 @dataclass
 class LintWarning:
     package: str
@@ -120,8 +140,14 @@ def ane_lint(package: Path, *, max_shard_mb: int = DEFAULT_MAX_SHARD_MB) -> list
     blocked = [(name, scale) for name, data, scale in facts.blockwise if _per_block(data, scale)]
     if blocked:
         warn("per-block-scales", f"{len(blocked)} weight(s) have per-block scales (e.g. "
-             f"'{blocked[0][0]}', scale shape {blocked[0][1]}): the ANE only supports "
-             "per-output-channel or per-tensor scales (coremltools #2510); use int8-channel")
+             f"'{blocked[0][0]}', scale shape {blocked[0][1]}): {Q8_BLOCK_SOURCE}; use "
+             "int8-channel")
+    longest = max((max(shape) for shape, _ in facts.states.values()), default=0)
+    if longest > ANE_MAX_SPATIAL:
+        warn("max-seq", f"a state axis is {longest:,} long, above {ANE_MAX_SPATIAL:,} "
+             f"({MAX_SEQ_SOURCE})")
+    if facts.ops["reduce_argmax"]:
+        warn("argmax", f"{facts.ops['reduce_argmax']} reduce_argmax op(s): {ARGMAX_NOTE}")
     for name, (shape, _) in facts.states.items():
         if any(d != 1 and d % 32 for d in shape[-2:]):
             warn("state-dim-not-32", f"state '{name}' has shape {shape}: a state dimension that "

@@ -69,6 +69,14 @@ def require_macos(what: str, advice: str = "") -> None:
                                  f"load ({exc})" + tail) from None
 
 
+def hardware_problem() -> str | None:
+    """Why results here say nothing about Apple hardware (placement, speed, JIT, memory), or
+    None on a real Core ML. Only a test stand-in for coremltools' native layer says so (through
+    its module attribute); Core ML itself never does."""
+    module = sys.modules.get("coremltools.libcoremlpython")
+    return getattr(module, "ANE_SPEC_STANDIN", None)
+
+
 def compile_package(package: Path, sha256: str | None = None) -> Path:
     """The compiled `.mlmodelc` of a package, from the per-user cache (see compiled_cache),
     compiling it on first use. `sha256` is the package's content hash as a manifest records it;
@@ -100,12 +108,32 @@ def optimization_hints(reshape_frequency: ReshapeFrequency) -> dict[str, Any]:
     return {"reshapeFrequency": ct.ReshapeFrequency[reshape_frequency]}
 
 
+# Input-shape changes on programs loaded with reshapeFrequency Infrequent, in this process. Apple:
+# with Infrequent, Core ML re-optimises for each new shape (about 2 minutes per shape for a
+# Phi-size stack in the seed log), so each one is a potential re-specialisation.
+_shape_switches = 0
+
+
+def shape_switches() -> int:
+    return _shape_switches
+
+
 class CoreMLProgram:
     def __init__(self, model: Any, input_names: list[str], output_names: list[str],
-                 state_names: list[str]):
+                 state_names: list[str], reshape_frequency: ReshapeFrequency = "Infrequent"):
         self.model = model
         self.input_names, self.output_names, self.state_names = (
             input_names, output_names, state_names)
+        self.reshape_frequency = reshape_frequency
+        self._last_shapes: tuple | None = None
+
+    def _count_shape(self, feed: dict[str, np.ndarray]) -> None:
+        global _shape_switches
+        shapes = tuple(sorted((k, v.shape) for k, v in feed.items()))
+        if (self.reshape_frequency == "Infrequent" and self._last_shapes is not None
+                and shapes != self._last_shapes):
+            _shape_switches += 1
+        self._last_shapes = shapes
 
     def make_state(self) -> Any:
         # CompiledMLModel.make_state() -> MLState, zero-filled (Apple: MLModel.makeState()).
@@ -116,6 +144,7 @@ class CoreMLProgram:
         # given (MLModel._update_float16_multiarray_input_to_float32); Core ML then converts
         # them to the fp16 the package declares, so values are exactly these fp16 ones.
         feed = {k: np.ascontiguousarray(v, dtype=np.float16) for k, v in inputs.items()}
+        self._count_shape(feed)
         if not self.state_names:
             out = self.model.predict(feed)
         elif state is None:
@@ -125,12 +154,20 @@ class CoreMLProgram:
         return {k: np.asarray(v) for k, v in out.items()}
 
     def read_state(self, state: Any, name: str) -> np.ndarray:
-        # MLState.read_state(name) -> numpy array (models/model.py; test_api_examples.py).
+        # MLState.read_state(name) (models/model.py) -> State::readState (CoreMLPython.mm):
+        # Utils::convertArrayValueToPython already returns a float32 copy of the fp16 state.
         return np.array(state.read_state(name), dtype=np.float32)
 
     def write_state(self, state: Any, name: str, value: np.ndarray) -> None:
-        # MLState.write_state(name, value) (models/model.py, coremltools 9): states are fp16.
-        state.write_state(name, np.ascontiguousarray(value, dtype=np.float16))
+        # MLState.write_state (models/model.py) hands the value to State::writeState untouched
+        # (no fp16 upcast, unlike predict), and the bridge accepts only int32, float32 and float64
+        # arrays (CoreMLPythonArray.mm dataTypeOf; anything else is "value type not
+        # convertible", CoreMLPythonUtils.mm convertValueToObjC). So float32, whole-state shape,
+        # contiguous and writable; Core ML converts it to the state's fp16 (transferToMultiArray),
+        # and fp16 -> fp32 -> fp16 is exact.
+        if name not in self.state_names:
+            raise AneSpecError(f"no state '{name}' (have {', '.join(self.state_names)})")
+        state.write_state(name, np.array(value, dtype=np.float32, order="C", copy=True))
 
 
 class CoreMLBackend:
@@ -157,7 +194,7 @@ class CoreMLBackend:
             str(compiled), ct.ComputeUnit[self.compute_units],
             optimization_hints=optimization_hints(self.reshape_frequency))
         return CoreMLProgram(model, [i.name for i in desc.input], [o.name for o in desc.output],
-                             [s.name for s in desc.state])
+                             [s.name for s in desc.state], self.reshape_frequency)
 
     def describe(self) -> str:
         return f"Core ML ({self.compute_units}, reshapeFrequency {self.reshape_frequency})"

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from ane_spec.ane_limits import q8_block_refusal
+
 from ane_spec.errors import AneSpecError
 from ane_spec.manifests.store import LoadedManifest
 from ane_spec.runtime.backend import Backend, DecodeShape, LoadedProgram, check_decode_shape
@@ -162,6 +164,9 @@ class ShardPipeline:
         self.input_dtype = np.float32 if self.backend.precision == "fp32" else np.float16
         self.host = HostInputs(m.rope, self.max_seq, self.max_t, self.input_dtype)
         self.embeddings = Embeddings.load(self.loaded)
+        refusal = q8_block_refusal(m.build.weights, getattr(self.backend, "compute_units", ""))
+        if refusal:  # before any package is compiled or loaded
+            raise AneSpecError(refusal)
         # The manifest's hashes key Core ML's compiled-model cache (no re-hashing 2 GB shards).
         self.shards = [self.backend.load(self.loaded.path(s.file), sha256=s.file.sha256)
                        for s in m.shards]

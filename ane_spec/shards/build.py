@@ -35,6 +35,7 @@ from coremltools.converters.mil.mil import Program, types
 from pydantic import BaseModel, ConfigDict
 
 import ane_spec
+from ane_spec.ane_limits import build_warnings
 from ane_spec.errors import AneSpecError, BuildError, ManifestError, one_line, untrusted
 from ane_spec.manifests.schema import (
     BuildOptions,
@@ -51,7 +52,13 @@ from ane_spec.model.gguf_file import GGUFModel, Tensor, open_gguf
 from ane_spec.shards.embeddings import write_embeddings
 from ane_spec.shards.layer_graph import CORRECT, GraphVariant, LayerWeights, Layout
 from ane_spec.shards.output_dir import OutputLock, building_dir, recover, swap_into_place
-from ane_spec.shards.programs import MAX_T, head_program, layer_program, save_package
+from ane_spec.shards.programs import (
+    DEFAULT_T,
+    MAX_T,
+    head_program,
+    layer_program,
+    save_package,
+)
 from ane_spec.shards.static_checks import check_package
 from ane_spec.shards.topology import DEFAULT_MAX_SHARD_MB, check_budget, parse_topology, plan_topology
 from ane_spec.shards.weights import (
@@ -64,7 +71,9 @@ from ane_spec.shards.weights import (
 )
 
 # Bump when the emitted graphs change, so fingerprints stop matching and shards are rebuilt.
-COMPILER_REVISION = 2
+# 2: finite-safe KV write and select mask; 3: RangeDim default T=4 (residency is planned at the
+# shape that runs); 4: hidden slots score -32768 (-65504 overflowed `score - max` in fp16).
+COMPILER_REVISION = 4
 MATRICES = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
 
 Progress = Callable[[str], None]
@@ -92,6 +101,7 @@ class BuildResult:
     built: list[str] = field(default_factory=list)
     reused: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)  # ANE limits the request runs into
 
 
 def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
@@ -106,6 +116,9 @@ def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
     out = Path(out_dir)
     model = open_gguf(gguf_path)
     ranges = _validate(model, request)
+    warnings = build_warnings(request.max_seq, request.weights, request.head_argmax)
+    for w in warnings:
+        say(f"warning: {w}")
     try:
         with OutputLock(out) as lock:
             removed = recover(out, _is_complete)
@@ -129,6 +142,7 @@ def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
         raise BuildError(f"cannot write the build for {out}: {exc.strerror or exc}{where}; "
                          "nothing was changed there") from None
     result.seconds = time.monotonic() - started
+    result.warnings = warnings
     return result
 
 
@@ -312,6 +326,7 @@ def _check_output(out: Path, force: bool) -> None:
 
 def _options(r: BuildRequest, ranges: list[tuple[int, int]]) -> BuildOptions:
     return BuildOptions(topology=[b - a for a, b in ranges], max_seq=r.max_seq, t_range=(1, MAX_T),
+                        default_t=DEFAULT_T,
                         layout=r.layout, weights=r.weights, head_chunks=r.head_chunks,
                         head_argmax=r.head_argmax, min_weight_cosine=r.min_weight_cosine)
 

@@ -77,7 +77,15 @@ def conv_weight(w: ConvWeight, name: str) -> Var | np.ndarray:
 
 def rms_norm(x: Var, weight: np.ndarray, eps: float, d: int, name: str) -> Var:
     """RMSNorm as layer_norm over [x, -x]: the mean is exactly 0, the variance mean(x^2), and
-    layer_norm's reduction does not overflow fp16 the way a sum of squares over 3072 would."""
+    layer_norm's reduction does not overflow fp16 the way a sum of squares over 3072 would.
+
+    `eps` (Phi-4-mini: 1e-5) is below fp16's smallest normal (6.1e-5): stored as an fp16 const
+    it is the subnormal 1.0014e-5. The fp16 interpreter keeps it (it computes each op in fp32),
+    so an all-zero row normalises to 0. The ANE may flush subnormals to zero (Apple does not
+    document it); eps is then 0, and an all-zero row gives 0/sqrt(0) = NaN: `finite_rows` keeps
+    it out of every other slot, but the row itself is lost. Real rows are unaffected (their
+    mean(x^2) is far above 1e-5), so nothing may feed all-zero rows: the pipeline pads with the
+    last token, and the probes use token embeddings."""
     both = mb.concat(values=[x, mb.mul(x=x, y=np.float16(-1.0))], axis=1)
     normed = mb.layer_norm(x=both, axes=[1], epsilon=np.float16(eps))
     half = mb.slice_by_index(x=normed, begin=[0, 0, 0, 0], end=[1, d, 0, 0],

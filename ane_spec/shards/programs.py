@@ -37,6 +37,10 @@ from ane_spec.shards.layer_graph import (
 from ane_spec.shards.weights import ConvWeight
 
 MAX_T = 4
+# The T each input's RangeDim defaults to. Apple's guidance for range-flexible inputs: the ANE is
+# assured only at the default shape, and MLComputePlan plans that one shape; the fixed decode
+# shape runs every pass at T=4, so residency must be planned (and proven) at 4, not 1.
+DEFAULT_T = MAX_T
 OPSET = ct.target.iOS18
 
 # Interface names: the manifest records them, the runtime reads them from there.
@@ -122,8 +126,9 @@ def _program(specs: dict[str, object], body: Callable[[dict], list]) -> Program:
 
 
 def save_package(prog: Program, path: Path, tmp_dir: Path | None = None) -> None:
-    """Convert to an ML program package. Every tensor input gets the one RangeDim(1, 4) T axis
-    (a MIL-built program needs the flexible shapes passed here, coremltools #2500).
+    """Convert to an ML program package. Every tensor input gets the one RangeDim(1, 4) T axis,
+    defaulting to DEFAULT_T (a MIL-built program needs the flexible shapes passed here,
+    coremltools #2500).
 
     ct.convert first writes the weights and a whole `tmpXXXX.mlpackage` through `tempfile`
     (converter.py's weights_dir, utils.py's _create_mlpackage); with `tmp_dir` those go there
@@ -133,7 +138,7 @@ def save_package(prog: Program, path: Path, tmp_dir: Path | None = None) -> None
     for name, var in func.inputs.items():
         if types.is_state(var.sym_type):
             continue
-        shape = tuple(ct.RangeDim(1, MAX_T, default=1) if not isinstance(s, (int, np.integer))
+        shape = tuple(ct.RangeDim(1, MAX_T, default=DEFAULT_T) if not isinstance(s, (int, np.integer))
                       else int(s) for s in var.shape)
         inputs.append(ct.TensorType(name=name, shape=shape, dtype=np.float16))
     with _quiet_pass_pipeline(), _tempfile_dir(tmp_dir):

@@ -1,0 +1,67 @@
+"""Limits of the Apple Neural Engine this toolchain knows of, each with where its figure comes
+from. `build`, `ane_lint` (and through it `probe residency` and the doctor) and the Core ML
+pipeline all read them from here, so a figure and its source are stated once.
+
+None of these is measured by this project's tests (there is no Mac in CI); they are the figures
+the sources give, and the messages say so.
+"""
+
+from __future__ import annotations
+
+import os
+
+# The ANE's largest spatial dimension, as ANEMLL's model code uses it (cited by issue 18's
+# audit). The K/V states' sequence axis is max_seq long, so --max-seq above it leaves the ANE.
+ANE_MAX_SPATIAL = 16384
+MAX_SEQ_SOURCE = "ANEMLL's model code: the ANE's spatial dimensions stop at 16,384"
+
+# Per-block weight scales: a coremltools issue and an Apple models-repo issue report *wrong
+# output* on the ANE (cosine 0.37), not only CPU fallback (coremltools #2510 for the fallback).
+Q8_BLOCK_SOURCE = ("per-block scales are reported to give wrong output on the ANE (cosine "
+                   "0.37 in a coremltools issue and an Apple models-repo issue), not only CPU "
+                   "fallback (coremltools #2510)")
+FORCE_Q8_BLOCK_ENV = "ANE_SPEC_FORCE_Q8_BLOCK_ON_ANE"
+ANE_COMPUTE_UNITS = ("CPU_AND_NE", "ALL")
+
+# A head with --head-argmax ends in reduce_argmax over a whole vocabulary chunk (50,016 wide for
+# Phi-4-mini at 4 chunks) with an int32 output: an op that wide, ending in an integer, is one the
+# ANE compiler usually leaves to the CPU. Not measured; the doctor's residency check says where
+# it lands.
+ARGMAX_NOTE = ("reduce_argmax over a whole vocabulary chunk with an int32 output probably runs "
+               "on the CPU (not measured; `ane-spec doctor` reports where it lands)")
+
+# Host memory at or below which the doctor's ane-vs-cpu check (a second, CPU_ONLY copy of the
+# whole build) may push a Phi-size build into swap.
+SMALL_MAC_BYTES = 16 * 10**9
+
+
+def max_seq_problem(max_seq: int) -> str | None:
+    if max_seq <= ANE_MAX_SPATIAL:
+        return None
+    return (f"--max-seq {max_seq} is above {ANE_MAX_SPATIAL:,}, the ANE's spatial limit "
+            f"({MAX_SEQ_SOURCE}): the attention and K/V states will run off the ANE")
+
+
+def q8_block_refusal(weights: str, compute_units: str) -> str | None:
+    """Why q8-block weights must not run on `compute_units`, unless the user forced it."""
+    if weights != "q8-block" or compute_units not in ANE_COMPUTE_UNITS:
+        return None
+    if os.environ.get(FORCE_Q8_BLOCK_ENV) == "1":
+        return None
+    return (f"this build has q8-block weights and Core ML would run it on {compute_units}: "
+            f"{Q8_BLOCK_SOURCE}. Rebuild with --weights int8-channel, use CPU_ONLY, or set "
+            f"{FORCE_Q8_BLOCK_ENV}=1 to run it anyway")
+
+
+def build_warnings(max_seq: int, weights: str, head_argmax: bool) -> list[str]:
+    """What `build` says about a request that builds fine but will not sit well on the ANE."""
+    found = []
+    problem = max_seq_problem(max_seq)
+    if problem:
+        found.append(problem)
+    if weights == "q8-block":
+        found.append(f"--weights q8-block: {Q8_BLOCK_SOURCE}; Core ML on CPU_AND_NE refuses "
+                     f"this build unless {FORCE_Q8_BLOCK_ENV}=1")
+    if head_argmax:
+        found.append(f"--head-argmax: {ARGMAX_NOTE}")
+    return found
