@@ -98,12 +98,6 @@ class ServeConfig(BaseModel):
     # Cross-request drafting (daemon/draft_scopes.py). None: per-key with an API key, else shared.
     draft_memory: DraftMemoryMode | None = None
     draft_memory_tokens: int = Field(DEFAULT_MEMORY_TOKENS, ge=1024, le=1 << 22)
-    # --- test-only knobs: never set these in production --------------------------------------
-    # Sleep before every pass through the shards, to make generations slow enough for tests of
-    # queueing and client disconnects.
-    test_pass_delay_seconds: float = Field(0.0, ge=0.0, le=10.0)
-    # Sleep at the start of warm-up, to make the warming window observable.
-    test_warmup_delay_seconds: float = Field(0.0, ge=0.0, le=600.0)
 
     @field_validator("api_key")
     @classmethod

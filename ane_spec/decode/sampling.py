@@ -61,9 +61,19 @@ class SamplingParams(BaseModel):
                                            or self.frequency_penalty != 0.0)
 
     @property
+    def logit_edits(self) -> list[str]:
+        """The fields whose processors move logits, in the processors' order (top-k/top-p/min-p
+        never move the argmax)."""
+        names = [n for n, on in (("logit_bias", bool(self.logit_bias)),
+                                 ("ignore_eos", self.ignore_eos)) if on]
+        if self.penalized:
+            names += [n for n, off in (("repeat_penalty", 1.0), ("presence_penalty", 0.0),
+                                       ("frequency_penalty", 0.0)) if getattr(self, n) != off]
+        return names
+
+    @property
     def edits_logits(self) -> bool:
-        """Whether any processor moves logits (top-k/top-p/min-p never move the argmax)."""
-        return self.penalized or bool(self.logit_bias) or self.ignore_eos
+        return bool(self.logit_edits)
 
 
 class LogitProcessor:

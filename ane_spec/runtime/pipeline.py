@@ -3,13 +3,7 @@
 The manifest is the only thing read: which packages, in which layout, with which RoPE spec and
 context window. A `PipelineState` holds one backend state per shard, i.e. one conversation.
 
-The decode shape decides how wide every pass is:
-- `fixed` (default): every pass computes T_max = 4 rows, whatever it carries; short blocks are
-  padded with rows that write nothing. A token's arithmetic then never depends on how the decoder
-  batched it, so on a row-invariant backend (`probe row-invariance`) speculative decoding equals
-  greedy decoding bitwise, in fp16 too.
-- `mixed`: a pass is as wide as its tokens (T=1 decode, T=4 verify). Cheaper where a T=1 pass
-  costs much less than a T=4 one, but T=1 and T=4 round differently, so in fp16 it is only close.
+The decode shape (`decode_shape.DecodeShapePolicy`) decides how wide every pass is.
 """
 
 from __future__ import annotations
@@ -24,7 +18,8 @@ import numpy as np
 
 from ane_spec.errors import AneSpecError
 from ane_spec.manifests.store import LoadedManifest
-from ane_spec.runtime.backend import Backend, DecodeShape, LoadedProgram, check_decode_shape
+from ane_spec.runtime.backend import Backend, LoadedProgram
+from ane_spec.runtime.decode_shape import DecodeShape, DecodeShapePolicy
 from ane_spec.runtime.fp16_argmax import chunked_argmax
 from ane_spec.runtime.host_inputs import HostInputs
 
@@ -139,12 +134,12 @@ class ShardPipeline:
     measurements: dict[str, Any] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
-        check_decode_shape(self.decode_shape)
         m = self.loaded.manifest
         self.manifest = m
         self.config = m.model
         self.max_seq = m.build.max_seq
         self.max_t = m.build.t_range[1]
+        self.shape = DecodeShapePolicy(self.decode_shape, self.max_t)
         self.layout = m.build.layout
         self.head_argmax = m.head.argmax
         self.input_dtype = np.float32 if self.backend.precision == "fp32" else np.float16
@@ -161,16 +156,6 @@ class ShardPipeline:
         (`mil-fp16-fixed`, `coreml-mixed`): drift and gate results depend on all three."""
         return "-".join(x for x in (self.backend.name, self.backend.precision,
                                     self.decode_shape) if x)
-
-    def pass_width(self, t: int) -> int:
-        """Rows a pass carrying `t` tokens computes under this pipeline's decode shape."""
-        return self.max_t if self.decode_shape == "fixed" else t
-
-    @property
-    def jit_widths(self) -> list[int]:
-        """The pass widths this decode shape runs: on Core ML, one JIT specialisation per
-        program each, paid on first use."""
-        return [self.max_t] if self.decode_shape == "fixed" else sorted({1, self.max_t})
 
     @cached_property
     def tokenizer_data(self):
@@ -227,7 +212,7 @@ class ShardPipeline:
         t0 = time.perf_counter()
         if not 1 <= len(tokens) <= self.max_t:
             raise AneSpecError(f"a pass takes 1..{self.max_t} tokens, got {len(tokens)}")
-        width = self.pass_width(len(tokens)) if width is None else width
+        width = self.shape.pass_width(len(tokens)) if width is None else width
         inputs = self.host.block(position, len(tokens), width)
         padded = [*tokens, *[tokens[-1]] * (width - len(tokens))]
         return self._run(padded, inputs, state, len(tokens), t0)
