@@ -22,6 +22,7 @@ from ane_spec.runtime.backend import Backend, LoadedProgram
 from ane_spec.runtime.decode_shape import DecodeShape, DecodeShapePolicy
 from ane_spec.runtime.fp16_argmax import chunked_argmax
 from ane_spec.runtime.host_inputs import HostInputs
+from ane_spec.runtime.row_keys import unsigned_keys
 
 
 @dataclass
@@ -41,11 +42,15 @@ class BlockOutput:
 
     def __init__(self, rows: int, read_row: Callable[[int], np.ndarray] | None, *,
                  argmax_row: Callable[[int], int] | None = None,
+                 read_native: Callable[[int], np.ndarray] | None = None,
+                 values_at: Callable[[int, np.ndarray], np.ndarray] | None = None,
                  argmax: np.ndarray | None = None, max_logit: np.ndarray | None = None,
                  backend_seconds: float = 0.0, host_seconds: float = 0.0):
         self.rows = rows
         self._read_row = read_row
         self._argmax_row = argmax_row
+        self._read_native = read_native
+        self._values_at = values_at
         self._logits: dict[int, np.ndarray] = {}
         self._argmax = {} if argmax is None else dict(enumerate(int(a) for a in argmax))
         self._max_logit = None if max_logit is None else np.asarray(max_logit)
@@ -79,6 +84,21 @@ class BlockOutput:
             else:  # straight from the head's buffers, without a float32 copy of the row
                 self._argmax[i] = self._argmax_row(i)
         return self._argmax[i]
+
+    def row_keys(self, i: int) -> np.ndarray:
+        """Row i as `row_keys.unsigned_keys` (a new array, the caller's to edit), from the head's
+        own dtype where it can: no float32 copy of the row."""
+        i = range(self.rows)[i]
+        if i in self._logits or self._read_native is None:
+            return unsigned_keys(self.row_logits(i))
+        return unsigned_keys(self._read_native(i))
+
+    def row_values(self, i: int, ids: np.ndarray) -> np.ndarray:
+        """Row i's logits at `ids` (float32), without reading the whole row."""
+        i = range(self.rows)[i]
+        if i in self._logits or self._values_at is None:
+            return self.row_logits(i)[ids]
+        return self._values_at(i, ids)
 
     @property
     def logits(self) -> np.ndarray | None:
@@ -252,16 +272,30 @@ class ShardPipeline:
             views = [(start, end, self.token_major(outputs[f"logits_{i}"]))  # [T, V_i], no copy
                      for i, (start, end) in enumerate(chunks)]
 
-            def read_row(r: int) -> np.ndarray:
-                row = np.empty(chunks[-1][1], dtype=np.float32)
+            def gather(r: int, dtype: np.dtype) -> np.ndarray:
+                row = np.empty(chunks[-1][1], dtype=dtype)
                 for start, end, view in views:
                     row[start:end] = view[r]
                 return row
 
+            def read_row(r: int) -> np.ndarray:
+                return gather(r, np.float32)
+
             def argmax_row(r: int) -> int:
                 return chunked_argmax([(start, view[r]) for start, _, view in views])
 
-            return BlockOutput(rows, read_row, argmax_row=argmax_row)
+            def read_native(r: int) -> np.ndarray:  # the head's dtype: no float32 copy
+                return gather(r, views[0][2].dtype)
+
+            def values_at(r: int, ids: np.ndarray) -> np.ndarray:
+                values = np.empty(len(ids), dtype=np.float32)
+                for start, end, view in views:
+                    inside = (ids >= start) & (ids < end)
+                    values[inside] = view[r][ids[inside] - start]
+                return values
+
+            return BlockOutput(rows, read_row, argmax_row=argmax_row, read_native=read_native,
+                               values_at=values_at)
         maxima = np.stack([self.from_hidden(outputs[f"max_{i}"])[:rows, 0]
                            for i in range(len(chunks))], axis=1)           # [rows, chunks]
         index = np.stack([self.from_hidden(outputs[f"argmax_{i}"])[:rows, 0]
