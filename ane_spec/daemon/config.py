@@ -20,6 +20,7 @@ from ane_spec.decode.draft_memory import DEFAULT_MEMORY_TOKENS
 from ane_spec.decode.drafter import NgramDrafter
 from ane_spec.errors import AneSpecError
 from ane_spec.runtime.backend import default_backend_name
+from ane_spec.runtime.decode_shape import DecodeShape
 
 LOOPBACK_NAMES = ("localhost",)
 # Host header values a loopback server always answers to (besides loopback IP literals).
@@ -67,7 +68,7 @@ class ServeConfig(BaseModel):
     backend: Literal["mil", "coreml"] = Field(default_factory=default_backend_name)
     precision: Literal["fp32", "fp16"] = "fp32"
     # fixed: every pass at T=4 (exact, one JIT specialisation per shard); mixed: T=1 + T=4.
-    decode_shape: Literal["fixed", "mixed"] = "fixed"
+    decode_shape: DecodeShape = "fixed"
     max_queue: int = Field(8, ge=0, le=10_000)  # waiting requests beyond the running one
     speculative: bool = True
     ngram_min: int = Field(_DRAFTER_DEFAULTS["ngram_min"].default, ge=1, le=MAX_NGRAM)
