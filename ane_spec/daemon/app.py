@@ -15,7 +15,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -46,7 +46,7 @@ from ane_spec.daemon.tools import (
 from ane_spec.decode.grammar import Grammar, GrammarError
 from ane_spec.decode.grammar_limits import check_schema
 from ane_spec.decode.sampling import SamplingParams
-from ane_spec.decode.session import GenerateOptions, GenerationResult
+from ane_spec.decode.session import GenerateOptions, GenerationResult, NeedsLogits, needs_logits
 from ane_spec.errors import AneSpecError
 
 log = logging.getLogger("ane_spec.daemon")
@@ -304,9 +304,6 @@ def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest, kin
     if constraint is not None and sampling.ignore_eos:
         raise BadRequest("ignore_eos: cannot be combined with a grammar, a response_format or "
                          "tools (the grammar decides where the output ends)", "ignore_eos")
-    top_n = body.top_n
-    if engine.pipeline.head_argmax:
-        _refuse_for_argmax_head(body, sampling, constraint, top_n)
 
     ext = body.ane_spec or SpeculationOptions()
     lo = config.ngram_min if ext.ngram_min is None else ext.ngram_min
@@ -323,7 +320,12 @@ def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest, kin
         speculative=config.speculative if ext.speculative is None else ext.speculative,
         guard=config.guard if ext.guard is None else ext.guard,
         grammar=None if constraint is None else constraint.grammar,
-        logprobs=top_n, special_text=uses_tools)
+        logprobs=body.top_n, special_text=uses_tools)
+    refusal = needs_logits(options) if engine.pipeline.head_argmax else None
+    if refusal is not None:
+        if refusal.param == "grammar":  # the parameter that asked for it
+            refusal = NeedsLogits(constraint.param)
+        raise BadRequest(str(refusal), refusal.param)
     return Plan(WorkItem(prompt, options, lo, hi, kind, scope),
                 tools=body.tools if uses_tools else None,
                 schema=None if constraint is None else constraint.schema)
@@ -401,21 +403,6 @@ def _constraint(engine: Engine, body: ChatCompletionRequest | CompletionRequest,
         return Constraint(grammar, param, schema)
     except GrammarError as exc:
         raise BadRequest(str(exc), param) from None
-
-
-def _refuse_for_argmax_head(body, sampling: SamplingParams,  # noqa: ANN001
-                            constraint: Constraint | None, top_n: int | None) -> None:
-    why = "this build's LM head emits only argmax (--head-argmax): rebuild without it to use "
-    if sampling.temperature > 0:
-        raise BadRequest(why + "sampling (or use temperature 0)", "temperature")
-    if top_n is not None:
-        raise BadRequest(why + "logprobs", "logprobs")
-    for name in ("repeat_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
-                 "ignore_eos"):
-        if name in body.model_fields_set and sampling.edits_logits:
-            raise BadRequest(why + name, name)
-    if constraint is not None:
-        raise BadRequest(why + constraint.param, constraint.param)
 
 
 def _token_text(tok, token_id: int | None, fallback: str) -> str:  # noqa: ANN001
@@ -681,53 +668,67 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
         return logprobs_body(plan.item.endpoint, result.logprobs, result.tokens,
                              engine.tokenizer.token_bytes)
 
-    async def collect(request: Request, job: Job, plan: Plan, envelope: Envelope) -> Response:
+    def finish(job: Job, plan: Plan, final: tuple[str, Any],
+               parser: ToolCallParser | None) -> Ending:
+        """The end of every generation request, streamed or not: what the client is told, from
+        the worker's last event and the tool calls `parser` has read from the whole text; the
+        request's outcome is counted here."""
         kind = job.item.endpoint
-        watcher = asyncio.create_task(_watch_disconnect(request, engine, job))
-        try:
-            while True:
-                event, payload = await job.events.get()
-                if event != "text":
-                    break
-        finally:
-            watcher.cancel()
+        event, payload = final
         if event == "error":
             status, message = payload
             metrics.request(kind, "failed" if status >= 500 else "rejected_invalid")
-            return error_response(status, message,
-                                  "server_error" if status >= 500 else "invalid_request_error")
+            return Ending(error=(status, message, None))
         if payload is None or payload.finish_reason == "cancelled":
             metrics.request(kind, "cancelled")
             if engine.stopping:
-                return error_response(503, "the server is shutting down", "server_error")
-            return error_response(499, "the client closed the request", code="cancelled")
-        result = payload
-        text, calls = result.text, None
-        if plan.tools:
-            parser = ToolCallParser()
-            content, _ = parser.feed(text)
-            content += parser.finish()
-            if parser.complete:
-                text, calls = content or None, parser.calls
-        problem = _check_output(plan, result, calls)
+                return Ending(error=(503, "the server is shutting down", None))
+            return Ending(error=(499, "the client closed the request", "cancelled"))
+        result: GenerationResult = payload
+        # Every call that began, the last one possibly cut off by max_tokens (its arguments
+        # truncated, as OpenAI returns it); only whole calls can be judged.
+        calls = parser.calls if parser is not None else []
+        problem = _check_output(plan, result, parser.whole_calls if parser else None)
+        ending = Ending(result=result, calls=calls or None,
+                        reason=finish_reason(result.finish_reason, bool(calls)),
+                        use=usage(result.prompt_tokens, len(result.tokens)),
+                        ext=extension(engine, job, result), logprobs=logprobs_of(plan, result))
         if problem:
             metrics.request(kind, "failed")
-            return error_response(500 if problem[0] else 400, problem[1],
-                                  "server_error" if problem[0] else "invalid_request_error",
-                                  code="invalid_output")
+            return replace(ending, error=(500 if problem[0] else 400, problem[1],
+                                          "invalid_output"))
         metrics.request(kind, "completed")
+        return ending
+
+    async def collect(request: Request, job: Job, plan: Plan, envelope: Envelope) -> Response:
+        watcher = asyncio.create_task(_watch_disconnect(request, engine, job))
+        try:
+            while True:
+                final = await job.events.get()
+                if final[0] != "text":
+                    break
+        finally:
+            watcher.cancel()
+        parser = ToolCallParser() if plan.tools else None
+        content = None
+        if parser is not None and final[0] == "done" and final[1] is not None:
+            content, _ = parser.feed(final[1].text)
+            content += parser.finish()
+        ending = finish(job, plan, final, parser)
+        if ending.error is not None:
+            status, message, code = ending.error
+            return error_response(status, message, error_type(status), code=code)
+        result = ending.result
         return JSONResponse(envelope.response(
-            text, finish_reason(result.finish_reason, bool(calls)),
-            usage(result.prompt_tokens, len(result.tokens)), extension(engine, job, result),
-            tool_calls=calls, logprobs=logprobs_of(plan, result)))
+            result.text if parser is None else content or None, ending.reason, ending.use,
+            ending.ext, tool_calls=ending.calls, logprobs=ending.logprobs))
 
     async def stream(job: Job, plan: Plan, envelope: Envelope,
                      include_usage: bool) -> AsyncIterator[str]:
-        kind = job.item.endpoint
         finished = False
         parser = ToolCallParser() if plan.tools else None
         try:
-            if kind == "chat":
+            if job.item.endpoint == "chat":
                 yield sse(envelope.chunk(first=True))
             final = None
             while final is None:
@@ -748,38 +749,21 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
                         piece += parser.finish()
                 if piece or deltas:
                     yield sse(envelope.chunk(piece or None, tool_calls=deltas or None))
-            event, payload = final
-            if event == "error":
-                status, message = payload
-                metrics.request(kind, "failed" if status >= 500 else "rejected_invalid")
-                yield sse(error_body(message, "server_error" if status >= 500
-                                     else "invalid_request_error"))
-            elif payload is None or payload.finish_reason == "cancelled":
-                metrics.request(kind, "cancelled")
-                yield sse(error_body("the server is shutting down", "server_error"))
-            else:
-                result = payload
-                problem = _check_output(plan, result, parser.calls if parser is not None
-                                        and parser.complete else None)
-                if problem:  # the text has left already: say so before the end of the stream
-                    metrics.request(kind, "failed")
-                    yield sse(error_body(problem[1], "server_error" if problem[0]
-                                         else "invalid_request_error", code="invalid_output"))
-                else:
-                    metrics.request(kind, "completed")
-                calls = parser is not None and parser.complete
-                yield sse(envelope.chunk(None, finish_reason(result.finish_reason, calls),
-                                         ext=extension(engine, job, result),
-                                         logprobs=logprobs_of(plan, result)))
+            ending = finish(job, plan, final, parser)
+            if ending.error is not None:  # with a result, its text has left already
+                status, message, code = ending.error
+                yield sse(error_body(message, error_type(status), code=code))
+            if ending.result is not None:
+                yield sse(envelope.chunk(None, ending.reason, ext=ending.ext,
+                                         logprobs=ending.logprobs))
                 if include_usage:
-                    yield sse(envelope.usage_chunk(usage(result.prompt_tokens,
-                                                         len(result.tokens))))
+                    yield sse(envelope.usage_chunk(ending.use))
             finished = True
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client went away (the response task was cancelled)
                 engine.cancel(job)
-                metrics.request(kind, "cancelled")
+                metrics.request(job.item.endpoint, "cancelled")
 
     # The other protocols: thin adapters over `generate` (see relay.py).
     app.include_router(llama_server_api.router(engine, generate))
@@ -792,6 +776,25 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
 _FIELDS = frozenset().union(*(m.model_fields for m in (
     ChatCompletionRequest, CompletionRequest, ChatMessage, TextPart, SpeculationOptions,
     StreamOptions, Tool, FunctionSpec, ResponseFormat, TokenizeRequest, DetokenizeRequest)))
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a generation request ends, the same whether it streams: an error (status, message,
+    code), and/or the result with OpenAI's finish_reason, tool calls, usage, the ane_spec
+    extension and logprobs."""
+
+    error: tuple[int, str, str | None] | None = None
+    result: GenerationResult | None = None
+    calls: list[dict[str, Any]] | None = None
+    reason: str | None = None
+    use: dict[str, int] | None = None
+    ext: dict[str, Any] | None = None
+    logprobs: dict[str, Any] | None = None
+
+
+def error_type(status: int) -> str:
+    return "server_error" if status >= 500 else "invalid_request_error"
 
 
 def _check_output(plan: Plan, result: GenerationResult,

@@ -153,7 +153,10 @@ class ToolCallParser:
 
     The calls' text is `[{"name": "f", "arguments": {...}}, ...]` (the grammar fixes the key
     order); each call's arguments are streamed as the exact substring the model wrote, so the
-    deltas of a stream concatenate to the arguments of the same output parsed whole.
+    deltas of a stream concatenate to the arguments of the same output parsed whole. A call
+    exists once its name is whole and its arguments have begun: output cut off before that
+    (max_tokens) has no call, output cut inside the arguments has a call whose arguments are
+    truncated, as OpenAI returns one.
     """
 
     def __init__(self) -> None:
@@ -164,16 +167,18 @@ class ToolCallParser:
         self._state = "header"  # -> "arguments" -> "close" -> "header" ...
         self._depth = 0         # nesting depth inside a call's arguments
         self._in_string = self._escaped = False
+        self._closed = 0        # calls whose arguments are whole
         self.calls: list[dict[str, Any]] = []  # {"id", "type", "function": {name, arguments}}
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        """(content to show, tool-call deltas) for this piece of text."""
+        """(content to show, tool-call deltas: one per call index) for this piece of text."""
         if self._done or not text:
             return "", []
         if not self._content.stopped:  # before <|tool_call|>
             content = self._content.push(text)
-            return content, self._scan(self._content.tail) if self._content.stopped else []
-        return "", self._scan(text)
+            return content, (_one_per_index(self._scan(self._content.tail))
+                             if self._content.stopped else [])
+        return "", _one_per_index(self._scan(text))
 
     def finish(self) -> str:
         """Content still held back at the end of the stream."""
@@ -183,6 +188,11 @@ class ToolCallParser:
     def complete(self) -> bool:
         """Whether a whole call list (through its closing bracket) was read."""
         return self._done and bool(self.calls)
+
+    @property
+    def whole_calls(self) -> list[dict[str, Any]]:
+        """The calls whose arguments are complete (all but a call cut off inside them)."""
+        return self.calls[:self._closed]
 
     def _scan(self, text: str) -> list[dict[str, Any]]:
         self._call_text += text
@@ -215,6 +225,7 @@ class ToolCallParser:
                     break
                 continue
             close = _CLOSE.match(s, self._pos)  # the call object's own brace
+            self._closed = len(self.calls)
             if not close:
                 break
             self._pos, self._state = close.end(), "header"
@@ -237,3 +248,16 @@ class ToolCallParser:
             self._depth -= 1
             if self._depth == 0:
                 self._state = "close"
+
+
+def _one_per_index(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A call's deltas from one piece of text merged into one entry (its header then its
+    arguments), as OpenAI and llama-server send them: a client reading `tool_calls[0]` of a
+    chunk must not lose the arguments that came with the name."""
+    merged: list[dict[str, Any]] = []
+    for d in deltas:
+        if merged and merged[-1]["index"] == d["index"]:
+            merged[-1]["function"]["arguments"] += d["function"]["arguments"]
+        else:
+            merged.append(d)
+    return merged

@@ -25,6 +25,7 @@ from ane_spec.decode.sampling import (
     top2_margin,
 )
 from ane_spec.runtime.pipeline import BlockOutput
+from ane_spec.runtime.row_keys import EXCLUDED
 
 
 @dataclass(frozen=True)
@@ -65,18 +66,44 @@ class RowChooser:
         return z
 
     def argmax(self, out: BlockOutput, i: int) -> int:
+        """`int(self.logits(out, i).argmax())`, first index on ties, computed without that
+        float32 row (see `_processed_argmax`)."""
         if self.plain:
             return out.row_argmax(i)
+        keys = out.row_keys(i)
         if self.processor is None:
             # Grammar only: the unconstrained winner is the constrained one whenever the grammar
             # allows it (a masked argmax keeps the first maximum, as np.argmax does): one bit
             # test instead of a [V] mask.
-            best = out.row_argmax(i)
+            best = int(keys.argmax())
             if self.grammar.allows(best):
                 return best
-        z = self.logits(out, i)
-        best = int(z.argmax())
-        if z[best] == -np.inf:  # argmax would name token 0, banned like every other
+        return self._processed_argmax(out, i, keys)
+
+    def _processed_argmax(self, out: BlockOutput, i: int, keys: np.ndarray) -> int:
+        """The processed row's argmax in two parts: the tokens no processor touches keep their
+        logits, so their best is an integer argmax over the row's order keys (`keys`, edited
+        here) with the edited and forbidden tokens excluded; the few edited tokens are compared
+        by their new values. The winner is the larger value, the lower id on a tie, as np.argmax
+        of the whole row."""
+        ids = np.empty(0, dtype=np.int64)
+        values = np.empty(0, dtype=np.float32)
+        if self.processor is not None:
+            ids, values = self.processor.edits(lambda at: out.row_values(i, at),
+                                               self.recent or ())
+            keys[ids] = EXCLUDED
+        if self.grammar is not None:
+            self.grammar.exclude(keys)
+            allowed = self.grammar.allows_ids(ids)
+            ids, values = ids[allowed], values[allowed]
+        best = int(keys.argmax())
+        value = (out.row_values(i, np.array([best]))[0] if keys[best] != EXCLUDED
+                 else np.float32(-np.inf))
+        if len(values):
+            j = int(values.argmax())
+            if values[j] > value or (values[j] == value and ids[j] < best):
+                best, value = int(ids[j]), values[j]
+        if value == -np.inf:  # every token is banned or forbidden
             raise NoTokenLeft()
         return best
 

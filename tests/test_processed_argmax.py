@@ -1,0 +1,90 @@
+"""The fast greedy choice under processors and a grammar (integer keys of the head's own rows, the
+edited ids compared by value) is the argmax of the processed float32 row, first index on ties,
+with NoTokenLeft exactly when that row is all -inf: checked on rows built to tie, in both head
+dtypes, with every processor and real llguidance masks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ane_spec.decode.grammar import Grammar, json_schema_grammar
+from ane_spec.decode.sampling import NoTokenLeft, SamplingParams
+from ane_spec.decode.verify import RowChooser
+from ane_spec.model.tokenizer import Tokenizer
+from ane_spec.model.vocab import build_synthetic_vocab
+from ane_spec.runtime.pipeline import BlockOutput
+from ane_spec.runtime.row_keys import EXCLUDED, unsigned_keys
+
+VOCAB = 1024
+ROW = VOCAB + 8  # the model's rows may be longer than the tokenizer's vocabulary
+LEVELS = np.array([-np.inf, -2.0, -0.0, 0.0, 1.5, 3.0, 7.0, 7.0], dtype=np.float32)
+SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}}
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer(build_synthetic_vocab(VOCAB))
+
+
+def native_and_float(rows: np.ndarray) -> tuple[BlockOutput, BlockOutput]:
+    """The same rows as the head gives them (its dtype, read by keys and by ids) and as float32
+    logits only (the reference path)."""
+    native = BlockOutput(len(rows), lambda i: rows[i].astype(np.float32),
+                         read_native=lambda i: rows[i].copy(),
+                         values_at=lambda i, ids: rows[i][ids].astype(np.float32))
+    return native, BlockOutput.of_logits(rows.astype(np.float32))
+
+
+def reference(chooser: RowChooser, out: BlockOutput) -> int | None:
+    z = chooser.logits(out, 0)
+    best = int(z.argmax())
+    return None if z[best] == -np.inf else best
+
+
+def fast(chooser: RowChooser, out: BlockOutput) -> int | None:
+    try:
+        return chooser.argmax(out, 0)
+    except NoTokenLeft:
+        return None
+
+
+def test_keys_order_as_the_floats() -> None:
+    for dtype in (np.float16, np.float32):
+        x = np.array([-np.inf, -5, -0.0, 0.0, 2, 2, np.inf], dtype=dtype)
+        keys = unsigned_keys(x)
+        assert keys[2] == keys[3] and keys[4] == keys[5] and EXCLUDED not in keys
+        assert (np.diff(keys[[0, 1, 2, 4, 6]].astype(np.int64)) > 0).all()
+
+
+def test_processed_argmax_is_the_float_rows_argmax(tok: Tokenizer) -> None:
+    rng = np.random.default_rng(0)
+    grammar = Grammar(tok, json_schema_grammar(SCHEMA))
+    text = tok.encode('{"a": "xy z", "b": 12}')
+    kinds = {"fast": 0, "banned": 0}
+    for trial in range(600):
+        dtype = (np.float16, np.float32)[trial % 2]
+        rows = rng.choice(LEVELS, size=(1, ROW)).astype(dtype)
+        if trial % 50 == 0:
+            rows[:] = -np.inf
+        bias = tuple((int(t), float(rng.choice([-np.inf, -1.0, 0.5, 4.0, 5.5])))
+                     for t in rng.choice(ROW - 8, rng.integers(0, 4), replace=False))
+        params = SamplingParams(
+            logit_bias=bias, ignore_eos=bool(rng.integers(2)),
+            repeat_penalty=float(rng.choice([1.0, 1.3])),
+            frequency_penalty=float(rng.choice([0.0, 0.5])),
+            presence_penalty=float(rng.choice([0.0, 0.25])), repeat_last_n=16)
+        state = None
+        if trial % 3:
+            state = grammar.start()
+            for t in text[:rng.integers(0, len(text))]:
+                state.advance(t)
+        history = rng.integers(0, VOCAB, rng.integers(0, 24)).tolist()
+        chooser = RowChooser(params, eog_ids=tok.eog_ids, history=history, grammar=state)
+        if chooser.plain:
+            continue
+        native, floats = native_and_float(rows)
+        expected = reference(chooser, floats)
+        assert fast(chooser, native) == expected, trial
+        kinds["banned" if expected is None else "fast"] += 1
+    assert kinds["fast"] > 300 and kinds["banned"] >= 5
