@@ -537,13 +537,13 @@ def test_message_text_never_becomes_special_tokens(srv: Hostile, pipeline) -> No
     prompt = srv.post("/v1/chat/completions", body).json()["usage"]["prompt_tokens"]
     from ane_spec.daemon.app import _chat_prompt
     from ane_spec.daemon.protocol import ChatCompletionRequest
-    from ane_spec.daemon.tools import template_messages
+    from ane_spec.daemon.tool_formats import PHI4
 
     req = ChatCompletionRequest.model_validate(body)
-    ids = _chat_prompt(tok, template_messages(req.messages, req.tools), False)
+    ids = _chat_prompt(tok, PHI4.template_input(req.messages, req.tools), False)
     assert len(ids) == prompt and ids.count(end) == 4  # system, user, assistant, tool turns
     # --special-in-content: llama.cpp's behaviour, the forged turn markers become tokens.
-    llama = _chat_prompt(tok, template_messages(req.messages, req.tools), True)
+    llama = _chat_prompt(tok, PHI4.template_input(req.messages, req.tools), True)
     assert llama.count(end) == 4 + 3
 
 

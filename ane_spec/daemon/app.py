@@ -40,8 +40,9 @@ from ane_spec.daemon.protocol import (
     DetokenizeRequest, Envelope, FunctionSpec, ResponseFormat, SpeculationOptions, StreamOptions,
     TextPart, TokenizeRequest, Tool, dumps, error_body, finish_reason, logprobs_body, usage,
 )
+from ane_spec.daemon.tool_formats import PHI4, TemplateInput, ToolFormat, tool_format_of
 from ane_spec.daemon.tools import (
-    TOOL_CALL, ToolCallParser, check_calls, template_messages, tool_call_grammar,
+    ToolCallParser, check_calls,
 )
 from ane_spec.decode.grammar import Grammar, GrammarError
 from ane_spec.decode.grammar_limits import check_schema
@@ -244,7 +245,8 @@ class Plan:
     """A validated request: the engine's work item and what the response does with its text."""
 
     item: WorkItem
-    tools: list[Tool] | None = None  # parse <|tool_call|> output into calls to these
+    tools: list[Tool] | None = None  # parse output into calls to these, in this format:
+    tool_format: ToolFormat = PHI4
     schema: dict[str, Any] | None = None  # the output must be JSON valid against it
 
 
@@ -263,20 +265,21 @@ def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest, kin
     tok, config, ctx = engine.tokenizer, engine.config, engine.context
     vocab = engine.pipeline.config.vocab_size
     uses_tools = kind == "chat" and body.uses_tools
-    if uses_tools and tok.id_of(TOOL_CALL) not in tok.markup_ids:
-        # Llama 3 (JSON) and Qwen (<tool_call> tags) call tools in formats of their own, which
-        # this server does not parse yet; Phi-4-mini's would only be text to them.
-        raise BadRequest(f"tools: this model ({engine.pipeline.config.arch}) has no {TOOL_CALL} "
-                         "token; tool calls are implemented for Phi-4-mini's format only",
-                         "tools")
+    fmt = tool_format_of(tok.data.chat_template, tok.markup_ids, tok.id_of)
+    if uses_tools and fmt is None:
+        raise BadRequest(f"tools: this model's chat template ({engine.pipeline.config.arch}) "
+                         "has no tool-call format this server knows (Phi-4-mini's "
+                         "<|tool_call|>, Llama 3's JSON calls, Qwen's <tool_call> tags)", "tools")
+    # A template without a known format still renders earlier calls somehow: as Phi-4-mini's.
+    fmt = fmt or PHI4
     if kind == "chat":
         where = "messages"
         try:
-            messages = template_messages(body.messages, body.tools if uses_tools else None,
-                                         engine.grammars.limits)
+            given = fmt.template_input(body.messages, body.tools if uses_tools else None,
+                                       engine.grammars.limits)
         except (ValueError, GrammarError) as exc:
             raise BadRequest(str(exc), "messages") from None
-        prompt = _chat_prompt(tok, messages, config.special_in_content)
+        prompt = _chat_prompt(tok, given, config.special_in_content)
     else:
         where = "prompt"
         source = body.single_prompt()
@@ -300,7 +303,7 @@ def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest, kin
     max_tokens = min(body.requested_max_tokens() or ctx, room)
 
     sampling = _sampling(engine, body)
-    constraint = _constraint(engine, body, kind, uses_tools)
+    constraint = _constraint(engine, body, kind, fmt if uses_tools else None)
     if constraint is not None and sampling.ignore_eos:
         raise BadRequest("ignore_eos: cannot be combined with a grammar, a response_format or "
                          "tools (the grammar decides where the output ends)", "ignore_eos")
@@ -327,16 +330,17 @@ def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest, kin
             refusal = NeedsLogits(constraint.param)
         raise BadRequest(str(refusal), refusal.param)
     return Plan(WorkItem(prompt, options, lo, hi, kind, scope),
-                tools=body.tools if uses_tools else None,
+                tools=body.tools if uses_tools else None, tool_format=fmt,
                 schema=None if constraint is None else constraint.schema)
 
 
-def _chat_prompt(tok, messages: list[dict[str, Any]], special_in_content: bool) -> list[int]:  # noqa: ANN001
+def _chat_prompt(tok, given: TemplateInput, special_in_content: bool) -> list[int]:  # noqa: ANN001
     """The chat's prompt tokens. Only the template's markup may produce special tokens; with
     --special-in-content the whole prompt is parsed for them, as llama-server does."""
     from ane_spec.model.chat import render_chat, render_chat_pieces
 
-    kw = dict(template=tok.data.chat_template,
+    messages = given.messages
+    kw = dict(template=tok.data.chat_template, tools=given.tools, extra=given.extra,
               eos_token=_token_text(tok, tok.eos_token_id, "<|endoftext|>"),
               bos_token=_token_text(tok, tok.bos_token_id, "<|endoftext|>"),
               add_bos=tok.data.add_bos_token)
@@ -371,7 +375,8 @@ def _sampling(engine: Engine, body: ChatCompletionRequest | CompletionRequest) -
 
 
 def _constraint(engine: Engine, body: ChatCompletionRequest | CompletionRequest, kind: str,
-                uses_tools: bool) -> Constraint | None:
+                tool_format: ToolFormat | None) -> Constraint | None:
+    uses_tools = tool_format is not None
     fmt = body.response_format if kind == "chat" else None
     schema: dict[str, Any] | None = None
     if uses_tools:
@@ -394,7 +399,7 @@ def _constraint(engine: Engine, body: ChatCompletionRequest | CompletionRequest,
                 if t.function.parameters is not None:
                     check_schema(t.function.parameters,
                                  f"tools[{i}].function.parameters", compiler.limits)
-            grammar = compiler.compile("lark", tool_call_grammar(
+            grammar = compiler.compile("lark", tool_format.grammar(
                 body.tools, body.tool_choice, body.parallel_tool_calls), what)
         elif schema is not None:
             grammar = compiler.compile("json_schema", schema, what)
@@ -709,7 +714,7 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
                     break
         finally:
             watcher.cancel()
-        parser = ToolCallParser() if plan.tools else None
+        parser = plan.tool_format.parser() if plan.tools else None
         content = None
         if parser is not None and final[0] == "done" and final[1] is not None:
             content, _ = parser.feed(final[1].text)
@@ -726,7 +731,7 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
     async def stream(job: Job, plan: Plan, envelope: Envelope,
                      include_usage: bool) -> AsyncIterator[str]:
         finished = False
-        parser = ToolCallParser() if plan.tools else None
+        parser = plan.tool_format.parser() if plan.tools else None
         try:
             if job.item.endpoint == "chat":
                 yield sse(envelope.chunk(first=True))

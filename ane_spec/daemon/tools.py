@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from ane_spec.daemon.protocol import ChatMessage, NamedToolChoice, Tool, tool_call_delta
@@ -139,12 +140,30 @@ def check_calls(calls: list[dict[str, Any]], tools: list[Tool]) -> str | None:
     return None
 
 
-# Complete only once the value's first character has arrived, so that a piece ending between
-# ':' and an optional space cannot put that space into the streamed arguments.
-_HEADER = re.compile(
-    r'\s*[\[,]\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
-_END = re.compile(r"\s*\]")
-_CLOSE = re.compile(r"\s*\}")
+@dataclass(frozen=True)
+class CallSyntax:
+    """How a format writes its calls, for `ToolCallParser`.
+
+    `start`: the text that opens the calls, content before it (None: the output is a call when
+    its first non-space character is `{`, else all content: Llama 3). `header`: a call's start
+    through its arguments' first character (group 1: the name, a JSON string body); it is
+    complete only once that character has arrived, so that a piece ending between ':' and an
+    optional space cannot put the space into the streamed arguments. `close`: the call
+    object's own brace. `end` / `end_marker`: the end of the calls, where there is one.
+    `single`: one call per turn."""
+
+    start: str | None
+    header: re.Pattern[str]
+    close: re.Pattern[str]
+    end: re.Pattern[str] | None = None
+    end_marker: str | None = None
+    single: bool = False
+
+
+_NAME = r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*'
+PHI4_SYNTAX = CallSyntax(
+    start=TOOL_CALL, header=re.compile(r'\s*[\[,]\s*\{\s*' + _NAME + r'"arguments"\s*:\s*(?=\S)'),
+    close=re.compile(r"\s*\}"), end=re.compile(r"\s*\]"), end_marker=TOOL_CALL_END)
 
 
 class ToolCallParser:
@@ -159,8 +178,11 @@ class ToolCallParser:
     truncated, as OpenAI returns one.
     """
 
-    def __init__(self) -> None:
-        self._content = StopMatcher([TOOL_CALL])  # content, held back at a partial marker
+    def __init__(self, syntax: CallSyntax = PHI4_SYNTAX) -> None:
+        self.syntax = syntax
+        # Content, held back at a partial start marker (or, for Llama 3, leading whitespace).
+        self._content: StopMatcher | _LeadingBrace = (
+            _LeadingBrace() if syntax.start is None else StopMatcher([syntax.start]))
         self._done = False
         self._call_text = ""
         self._pos = 0           # cursor into _call_text
@@ -174,7 +196,7 @@ class ToolCallParser:
         """(content to show, tool-call deltas: one per call index) for this piece of text."""
         if self._done or not text:
             return "", []
-        if not self._content.stopped:  # before <|tool_call|>
+        if not self._content.stopped:  # before the calls' start
             content = self._content.push(text)
             return content, (_one_per_index(self._scan(self._content.tail))
                              if self._content.stopped else [])
@@ -186,7 +208,9 @@ class ToolCallParser:
 
     @property
     def complete(self) -> bool:
-        """Whether a whole call list (through its closing bracket) was read."""
+        """Whether the calls were read whole (Phi-4-mini: through the list's closing bracket)."""
+        if self.syntax.end is None and not self.syntax.single:
+            return bool(self.calls) and self._closed == len(self.calls)
         return self._done and bool(self.calls)
 
     @property
@@ -197,10 +221,10 @@ class ToolCallParser:
     def _scan(self, text: str) -> list[dict[str, Any]]:
         self._call_text += text
         deltas: list[dict[str, Any]] = []
-        s = self._call_text
+        s, syntax = self._call_text, self.syntax
         while not self._done:
             if self._state == "header":  # a call's start, or the list's end
-                m = _HEADER.match(s, self._pos)
+                m = syntax.header.match(s, self._pos)
                 if m:
                     name = json.loads(f'"{m.group(1)}"')
                     call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
@@ -209,7 +233,8 @@ class ToolCallParser:
                     deltas.append(tool_call_delta(len(self.calls) - 1, call["id"], name, ""))
                     self._pos, self._depth, self._state = m.end(), 0, "arguments"
                     continue
-                if (self.calls and _END.match(s, self._pos)) or TOOL_CALL_END in s[self._pos:]:
+                if (self.calls and syntax.end is not None and syntax.end.match(s, self._pos)) \
+                        or (syntax.end_marker is not None and syntax.end_marker in s[self._pos:]):
                     self._done = True
                 break
             if self._state == "arguments":
@@ -224,11 +249,12 @@ class ToolCallParser:
                 if self._state == "arguments":
                     break
                 continue
-            close = _CLOSE.match(s, self._pos)  # the call object's own brace
+            close = syntax.close.match(s, self._pos)  # the call object's own brace
             self._closed = len(self.calls)
             if not close:
                 break
             self._pos, self._state = close.end(), "header"
+            self._done = syntax.single
         return deltas
 
     def _step(self, ch: str) -> None:
@@ -248,6 +274,35 @@ class ToolCallParser:
             self._depth -= 1
             if self._depth == 0:
                 self._state = "close"
+
+
+class _LeadingBrace:
+    """Llama 3's calls have no start marker: the output is a call when its first non-space
+    character is `{` (llama.cpp's trigger pattern, anchored at the output's start), and all
+    content otherwise. The `StopMatcher` interface `ToolCallParser` reads."""
+
+    def __init__(self) -> None:
+        self.held, self.tail = "", ""
+        self.stopped = self._text = False
+
+    def push(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        if self._text:
+            return text
+        self.held += text
+        rest = self.held.lstrip()
+        if not rest:
+            return ""
+        if rest[0] == "{":
+            self.stopped, self.tail, self.held = True, self.held, ""
+            return ""
+        self._text, out, self.held = True, self.held, ""
+        return out
+
+    def flush(self) -> str:
+        out, self.held = ("" if self.stopped else self.held), ""
+        return out
 
 
 def _one_per_index(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
