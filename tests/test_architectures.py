@@ -209,7 +209,9 @@ def chaotic_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {}
     for a in ARCHS:
         gguf = write_synthetic_gguf(root / f"{a}.gguf", spec(a, seed=11))
-        build(gguf, root / a, BuildRequest(topology="3", max_seq=S))
+        # 2*S: Meta's Llama 3.2 template writes a dated system turn even for a bare "hi", 67
+        # tokens in this small vocabulary.
+        build(gguf, root / a, BuildRequest(topology="3", max_seq=2 * S))
         out[a] = root / a
     return out
 
@@ -336,7 +338,10 @@ def test_prompts_get_bos_as_llama_cpp_adds_it(chaotic_builds: dict[str, Path]) -
     assert prompt_tokens(qwen, prompt="hi") == qwen.tokenizer.encode("hi")
     ids = prompt_tokens(qwen, messages=chat)
     assert ids[0] == qwen.tokenizer.id_of("<|im_start|>")
-    assert qwen.tokenizer.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    # Qwen 2.5's template adds its default system turn.
+    assert qwen.tokenizer.decode(ids) == (
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+        "assistant.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_the_daemon_serves_a_llama_build(chaotic_builds: dict[str, Path]) -> None:
@@ -369,10 +374,7 @@ def test_the_daemon_serves_a_llama_build(chaotic_builds: dict[str, Path]) -> Non
                 text = r.choices[0].text
             assert prompt.count(pipeline.tokenizer.bos_token_id) == 1
             assert r.usage.prompt_tokens == len(prompt) and text == ref.text
-        # Tool calls exist only in Phi-4-mini's format so far: refused by name, not garbled.
-        tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-        with pytest.raises(openai.BadRequestError, match="no <\\|tool_call\\|> token"):
-            client.chat.completions.create(model="any", messages=chat, tools=tools)
+        # Tool calls in Llama 3's own format: tests/test_tool_formats.py.
 
 
 def test_a_new_architecture_is_one_description(monkeypatch: pytest.MonkeyPatch,
