@@ -40,7 +40,9 @@ from ane_spec.daemon.protocol import (
     DetokenizeRequest, Envelope, FunctionSpec, ResponseFormat, SpeculationOptions, StreamOptions,
     TextPart, TokenizeRequest, Tool, dumps, error_body, finish_reason, logprobs_body, usage,
 )
-from ane_spec.daemon.tool_formats import PHI4, TemplateInput, ToolFormat, tool_format_of
+from ane_spec.daemon.tool_formats import (
+    PHI4, TemplateInput, ToolFormat, tool_format_of, tool_tag_ids,
+)
 from ane_spec.daemon.tools import (
     ToolCallParser, check_calls,
 )
@@ -279,7 +281,7 @@ def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest, kin
                                        engine.grammars.limits)
         except (ValueError, GrammarError) as exc:
             raise BadRequest(str(exc), "messages") from None
-        prompt = _chat_prompt(tok, given, config.special_in_content)
+        prompt = _chat_prompt(tok, given, config.special_in_content, tool_tag_ids(fmt, tok.id_of))
     else:
         where = "prompt"
         source = body.single_prompt()
@@ -334,7 +336,8 @@ def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest, kin
                 schema=None if constraint is None else constraint.schema)
 
 
-def _chat_prompt(tok, given: TemplateInput, special_in_content: bool) -> list[int]:  # noqa: ANN001
+def _chat_prompt(tok, given: TemplateInput, special_in_content: bool,  # noqa: ANN001
+                 not_in_text: list[int] = ()) -> list[int]:
     """The chat's prompt tokens. Only the template's markup may produce special tokens; with
     --special-in-content the whole prompt is parsed for them, as llama-server does."""
     from ane_spec.model.chat import render_chat, render_chat_pieces
@@ -347,7 +350,8 @@ def _chat_prompt(tok, given: TemplateInput, special_in_content: bool) -> list[in
     try:
         if special_in_content:
             return tok.encode(render_chat(messages, **kw), special=True, add_special=True)
-        return tok.encode_pieces(render_chat_pieces(messages, **kw), add_special=True)
+        return tok.encode_pieces(render_chat_pieces(messages, **kw), add_special=True,
+                                 not_in_text=not_in_text)
     except AneSpecError as exc:
         raise BadRequest(str(exc), "messages") from None
 

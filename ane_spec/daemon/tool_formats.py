@@ -26,12 +26,14 @@ from typing import Any
 
 from ane_spec.daemon.protocol import ChatMessage, NamedToolChoice, Tool
 from ane_spec.daemon.tools import (
+    NAME,
     NO_PARAMETERS,
     PHI4_SYNTAX,
     TOOL_CALL,
     CallSyntax,
     ToolCallParser,
     _arguments,
+    never_spelling,
     template_messages,
     tool_call_grammar,
 )
@@ -41,7 +43,6 @@ from ane_spec.decode.json_tightening import tighten
 
 HERMES_CALL, HERMES_CALL_END = "<tool_call>", "</tool_call>"
 LLAMA3_IPYTHON = "<|start_header_id|>ipython<|end_header_id|>"
-_NAME = r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*'
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class ToolFormat:
 
     name: str
     syntax: CallSyntax
+    # Tags that are ordinary (USER_DEFINED) tokens of the vocabulary, which message text must
+    # not produce: a call or a tool result typed into a message stays text (see tool_tag_ids).
+    tags: tuple[str, ...] = ()
 
     def template_input(self, messages: list[ChatMessage], tools: list[Tool] | None,
                        limits: GrammarLimits = GrammarLimits()) -> TemplateInput:
@@ -101,12 +105,6 @@ def _call_schema(tools: list[Tool], choice: str | NamedToolChoice | None,
         "x-guidance": JSON_OPTIONS})
 
 
-def _never_spelling(marker: str) -> str:
-    """A Lark terminal for text that does not contain `marker` (llguidance's & and ~)."""
-    escaped = re.escape(marker).replace("/", "\\/")
-    return f"/(.|\\n)+/ & ~/(.|\\n)*{escaped}(.|\\n)*/"
-
-
 class Phi4Format(ToolFormat):
     """Phi-4-mini's `<|tool_call|>[...]<|/tool_call|>` (tools.py), its template's own input."""
 
@@ -127,10 +125,11 @@ class HermesFormat(ToolFormat):
     </tool_call>` per call, calls separated by a newline, as the templates render them."""
 
     name = "hermes"
+    tags = (HERMES_CALL, HERMES_CALL_END, "<tool_response>", "</tool_response>")
     syntax = CallSyntax(
         start=HERMES_CALL,
         header=re.compile(r"(?:\s*" + HERMES_CALL_END + r"\s*" + HERMES_CALL + r")?\s*\{\s*"
-                          + _NAME + r'"arguments"\s*:\s*(?=\S)'),
+                          + NAME + r'"arguments"\s*:\s*(?=\S)'),
         close=re.compile(r"\s*\}"))
 
     def grammar(self, tools: list[Tool], choice: str | NamedToolChoice | None,
@@ -145,7 +144,7 @@ class HermesFormat(ToolFormat):
             escaped = re.escape(HERMES_CALL).replace("/", "\\/")
             lead = f"/(.|\\n)*{escaped}/ & ~/(.|\\n)*{escaped}(.|\\n)+/"
             return (f"start: TEXT | LEAD body{more}\n{rules}"
-                    f"TEXT: {_never_spelling(HERMES_CALL)}\nLEAD: {lead}\n")
+                    f"TEXT: {never_spelling(HERMES_CALL)}\nLEAD: {lead}\n")
         return f'start: "{HERMES_CALL}" body{more}\n{rules}'
 
 
@@ -157,7 +156,7 @@ class Llama3Format(ToolFormat):
     name = "llama3"
     syntax = CallSyntax(
         start=None,
-        header=re.compile(r'\s*\{\s*(?:"type"\s*:\s*"function"\s*,\s*)?' + _NAME
+        header=re.compile(r'\s*\{\s*(?:"type"\s*:\s*"function"\s*,\s*)?' + NAME
                           + r'"parameters"\s*:\s*(?=\S)'),
         close=re.compile(r"\s*\}"), single=True)
 
@@ -174,6 +173,13 @@ class Llama3Format(ToolFormat):
 
 
 PHI4, HERMES, LLAMA3 = Phi4Format(), HermesFormat(), Llama3Format()
+
+
+def tool_tag_ids(fmt: ToolFormat, id_of: Any) -> list[int]:
+    """The vocabulary's ids of `fmt`'s tags. llama.cpp (and HF) read Qwen's `<tool_call>` in
+    any text, since it is not a control token; here message text never spells it, as it never
+    spells `<|im_start|>`, so the model sees a call only where it or the template wrote one."""
+    return [i for i in map(id_of, fmt.tags) if i is not None]
 
 
 def tool_format_of(template: str | None, markup_ids: frozenset[int],

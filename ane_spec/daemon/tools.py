@@ -110,11 +110,15 @@ def tool_call_grammar(tools: list[Tool], choice: str | NamedToolChoice | None,
         calls["maxItems"] = 1
     call = f"call: {TOOL_CALL} %json {json.dumps(tighten(calls))} {TOOL_CALL_END}"
     if choice in (None, "auto"):
-        # Any text that does not spell the call tag in ordinary tokens (llguidance's & and ~).
-        marker = re.escape(TOOL_CALL).replace("/", "\\/")
-        text = f"/(.|\\n)+/ & ~/(.|\\n)*{marker}(.|\\n)*/"
-        return f"start: TEXT | TEXT? call\n{call}\nTEXT: {text}\n"
+        # Any text that does not spell the call tag in ordinary tokens.
+        return f"start: TEXT | TEXT? call\n{call}\nTEXT: {never_spelling(TOOL_CALL)}\n"
     return f"start: call\n{call}\n"
+
+
+def never_spelling(marker: str) -> str:
+    """A Lark terminal for text that does not contain `marker` (llguidance's & and ~)."""
+    escaped = re.escape(marker).replace("/", "\\/")
+    return f"/(.|\\n)+/ & ~/(.|\\n)*{escaped}(.|\\n)*/"
 
 
 def check_calls(calls: list[dict[str, Any]], tools: list[Tool]) -> str | None:
@@ -160,9 +164,10 @@ class CallSyntax:
     single: bool = False
 
 
-_NAME = r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*'
+# A call's name, then the separator before its arguments' key.
+NAME = r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*'
 PHI4_SYNTAX = CallSyntax(
-    start=TOOL_CALL, header=re.compile(r'\s*[\[,]\s*\{\s*' + _NAME + r'"arguments"\s*:\s*(?=\S)'),
+    start=TOOL_CALL, header=re.compile(r'\s*[\[,]\s*\{\s*' + NAME + r'"arguments"\s*:\s*(?=\S)'),
     close=re.compile(r"\s*\}"), end=re.compile(r"\s*\]"), end_marker=TOOL_CALL_END)
 
 
