@@ -35,6 +35,7 @@ def tokenizer(family: str) -> Tokenizer:
 
 
 def accepts(grammar: Grammar, ids: list[int]) -> bool:
+    """Whether `grammar` takes the tokens `ids`, one at a time, and may end after them."""
     state = grammar.start()
     for t in ids:
         if not state.allows(t):
@@ -303,7 +304,7 @@ def test_role_markers_and_call_tags_in_user_text_stay_text(servers, arch: str) -
     assert spelled.count(turn) > 3  # as llama.cpp would read the text
     if arch == "qwen3":
         # Qwen's <tool_call> is an ordinary (USER_DEFINED) token that llama.cpp reads in any
-        # text; here only the template's own (its tool section's example) become it.
+        # text; here only the template's own (its tool section names it twice) become it.
         tag = tok.id_of("<tool_call>")
         in_markup = sum(p.count("<tool_call>") for p, markup in pieces if markup)
         assert in_markup == 2 and ids.count(tag) == in_markup < spelled.count(tag)
