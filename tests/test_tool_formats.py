@@ -13,7 +13,7 @@ from functools import lru_cache
 import pytest
 
 from ane_spec.daemon.protocol import Tool
-from ane_spec.daemon.tool_formats import HERMES, LLAMA3, PHI4, tool_format_of
+from ane_spec.daemon.tool_formats import HERMES, LLAMA3, tool_format_of
 from ane_spec.daemon.tools import check_calls
 from ane_spec.decode.grammar import Grammar, lark_grammar
 from ane_spec.model.tokenizer import Tokenizer
@@ -332,3 +332,30 @@ def test_fp16_speculation_equals_greedy_under_a_tool_grammar(servers, arch: str)
         assert outs[0] == outs[1], (choice, outs)
     print(arch, "tokens from accepted drafts", passes_saved)
     assert passes_saved > 0  # speculation took part
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_other_protocols_use_the_family_format(servers, arch: str) -> None:
+    """llama-server's /apply-template renders the model's own tool section; the Responses API
+    returns the family's calls as function_call items with the same arguments, and a round
+    trip (the call and its output sent back) renders through the template."""
+    import httpx
+
+    srv, tool = servers[arch], CITY.model_dump(exclude_none=True)
+    prompt = httpx.post(f"{srv.url}/apply-template",
+                        json={"messages": ASK, "tools": [tool]}).json()["prompt"]
+    assert ("Environment: ipython\n" if arch == "llama" else "# Tools\n\n") in prompt
+    chat = _client(srv).chat.completions.create(
+        model="m", messages=ASK, tools=[tool], tool_choice="required", max_tokens=120,
+        parallel_tool_calls=False).choices[0].message.tool_calls[0]
+    flat = {"type": "function"} | tool["function"]
+    r = httpx.post(f"{srv.url}/v1/responses", timeout=60, json={
+        "model": "m", "input": ASK[0]["content"], "tools": [flat], "tool_choice": "required",
+        "parallel_tool_calls": False, "max_output_tokens": 120}).json()
+    [item] = [o for o in r["output"] if o["type"] == "function_call"]
+    assert (item["name"], item["arguments"]) == (chat.function.name, chat.function.arguments)
+    back = httpx.post(f"{srv.url}/v1/responses", timeout=60, json={
+        "model": "m", "tools": [flat], "max_output_tokens": 4, "input": [
+            {"role": "user", "content": ASK[0]["content"]}, item,
+            {"type": "function_call_output", "call_id": item["call_id"], "output": "sunny"}]})
+    assert back.status_code == 200, back.text
