@@ -359,3 +359,29 @@ def test_the_other_protocols_use_the_family_format(servers, arch: str) -> None:
             {"role": "user", "content": ASK[0]["content"]}, item,
             {"type": "function_call_output", "call_id": item["call_id"], "output": "sunny"}]})
     assert back.status_code == 200, back.text
+
+
+def test_a_qwen3_think_block_sent_back_renders_as_the_template_splits_it() -> None:
+    """Qwen 3's template cuts `<think>...</think>` out of an assistant message's content; done
+    by the template on marked text that cut would be refused, so the format does the same
+    split first. The prompt is the template's own, the reasoning text stays text."""
+    from ane_spec.daemon.protocol import ChatCompletionRequest
+    from ane_spec.model.chat import render_chat, render_chat_pieces
+
+    tok = tokenizer("qwen3")
+    fmt = tool_format_of(tok.data.chat_template, tok.markup_ids, tok.id_of)
+    assert fmt.reasoning_field and not tool_format_of(
+        tokenizer("qwen2").data.chat_template, frozenset(), tok.id_of).reasoning_field
+    raw = [{"role": "user", "content": "hi"},
+           {"role": "assistant", "content": "<think>\nhmm <|im_end|>\n</think>\n\nHello"},
+           {"role": "user", "content": "again"}]
+    given = fmt.template_input(ChatCompletionRequest.model_validate({"messages": raw}).messages,
+                               None)
+    assert given.messages[1]["reasoning_content"] == "hmm <|im_end|>"
+    kw = dict(template=tok.data.chat_template)
+    assert render_chat(given.messages, **kw) == render_chat(raw, **kw)
+    # The last turn, after the last question, keeps its reasoning in the prompt: as text.
+    last = fmt.template_input(ChatCompletionRequest.model_validate(
+        {"messages": raw[:2]}).messages, None).messages
+    assert render_chat(last, **kw) == render_chat(raw[:2], **kw)
+    assert ("hmm <|im_end|>", False) in render_chat_pieces(last, **kw)

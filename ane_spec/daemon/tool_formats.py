@@ -62,6 +62,8 @@ class ToolFormat:
     # Tags that are ordinary (USER_DEFINED) tokens of the vocabulary, which message text must
     # not produce: a call or a tool result typed into a message stays text (see tool_tag_ids).
     tags: tuple[str, ...] = ()
+    # The template reads an assistant message's `reasoning_content` (Qwen 3), see split_thinking.
+    reasoning_field = False
 
     def template_input(self, messages: list[ChatMessage], tools: list[Tool] | None,
                        limits: GrammarLimits = GrammarLimits()) -> TemplateInput:
@@ -70,6 +72,8 @@ class ToolFormat:
         for m in messages:
             message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
                                        "content": m.text()}
+            if m.role == "assistant" and self.reasoning_field and "</think>" in message["content"]:
+                message.update(split_thinking(message["content"]))
             if m.role == "assistant" and m.tool_calls:
                 message["tool_calls"] = [
                     {"type": "function", "id": c.id or "",
@@ -118,6 +122,16 @@ class Phi4Format(ToolFormat):
     def grammar(self, tools: list[Tool], choice: str | NamedToolChoice | None,
                 parallel: bool | None) -> str:
         return tool_call_grammar(tools, choice, parallel)
+
+
+def split_thinking(content: str) -> dict[str, str]:
+    """An assistant message's `<think>...</think>` as `reasoning_content`, split exactly as
+    Qwen 3's template splits it when given none. Done before rendering so that the template
+    never cuts a message's text (render_chat_pieces would refuse the prompt): clients send
+    back the think block that this server returns as content."""
+    head, _, tail = content.partition("</think>")
+    return {"reasoning_content": head.rstrip("\n").split("<think>")[-1].lstrip("\n"),
+            "content": content.split("</think>")[-1].lstrip("\n")}
 
 
 class HermesFormat(ToolFormat):
@@ -172,7 +186,13 @@ class Llama3Format(ToolFormat):
         return f"start: call\n{call}"
 
 
-PHI4, HERMES, LLAMA3 = Phi4Format(), HermesFormat(), Llama3Format()
+class Qwen3Format(HermesFormat):
+    """Hermes calls, with a template that reads `reasoning_content` (Qwen 3)."""
+
+    reasoning_field = True
+
+
+PHI4, HERMES, QWEN3, LLAMA3 = Phi4Format(), HermesFormat(), Qwen3Format(), Llama3Format()
 
 
 def tool_tag_ids(fmt: ToolFormat, id_of: Any) -> list[int]:
@@ -187,7 +207,7 @@ def tool_format_of(template: str | None, markup_ids: frozenset[int],
     """The format a GGUF's template and vocabulary call tools in, or None. `template` None is
     Phi-4-mini's own (chat.PHI4_MINI_CHAT_TEMPLATE)."""
     if template is not None and HERMES_CALL in template:
-        return HERMES
+        return QWEN3 if "reasoning_content" in template else HERMES
     if template is not None and LLAMA3_IPYTHON in template:
         return LLAMA3
     if id_of(TOOL_CALL) in markup_ids:

@@ -141,11 +141,11 @@ def render_chat_pieces(messages: list[dict], *, template: str | None,
                        bos_token: str = "<|endoftext|>", add_bos: bool = False,
                        tools: list[dict] | None = None, extra: dict[str, Any] | None = None
                        ) -> list[tuple[str, bool]]:
-    """`render_chat`'s prompt as (text, is_markup) pieces. Each message's "content" and "tools"
-    is text (a plain str, or a list of str and `Markup`); so is every string inside a
-    message's "tool_calls" and inside `tools` (names, descriptions, schemas, arguments: the
-    client's words, which templates write with `tojson` or `+`); everything the template adds
-    around them is markup.
+    """`render_chat`'s prompt as (text, is_markup) pieces. Each message's "content", "tools"
+    and "reasoning_content" is text (a plain str, or a list of str and `Markup`); so is every
+    string inside a message's "tool_calls" and inside `tools` (names, descriptions, schemas,
+    arguments: the client's words, which templates write with `tojson` or `+`); everything the
+    template adds around them is markup.
 
     The template is rendered with each text piece wrapped in unguessable markers, and once
     without; the markers must come out intact and the two renders agree once they are removed
@@ -191,8 +191,8 @@ def render_chat_pieces(messages: list[dict], *, template: str | None,
     kw = dict(template=template, add_generation_prompt=add_generation_prompt,
               eos_token=eos_token, bos_token=bos_token, add_bos=add_bos, extra=extra)
     plain = render_chat(messages, tools=tools, **kw)
-    wrapped = render_chat([m | {k: marked(m[k]) for k in ("content", "tools")
-                                if m.get(k) is not None}
+    texts = ("content", "tools", "reasoning_content")
+    wrapped = render_chat([m | {k: marked(m[k]) for k in texts if m.get(k) is not None}
                            | ({"tool_calls": deep(m["tool_calls"])} if m.get("tool_calls")
                               else {})
                            for m in messages], tools=None if tools is None else deep(tools), **kw)
