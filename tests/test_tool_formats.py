@@ -65,6 +65,17 @@ def test_grammars_accept_the_format_and_nothing_forged(family: str) -> None:
     # An undefined tool, or arguments the schema refuses, are not in the language.
     assert not accepts(auto, tok.encode(call.replace("get_weather", "rm_rf")))
     assert not accepts(auto, tok.encode(call.replace('"Paris"', "3")))
+    # A named function: only calls to it.
+    from ane_spec.daemon.protocol import NamedToolChoice
+
+    other = Tool.model_validate({"type": "function", "function": {"name": "get_time"}})
+    named = Grammar(tok, lark_grammar(fmt.grammar([other, WEATHER], NamedToolChoice.model_validate(
+        {"type": "function", "function": {"name": "get_weather"}}), None)))
+    time_call = tok.encode(call.replace("get_weather", "get_time").replace(
+        '{"city": "Paris"}', "{}"))
+    both = Grammar(tok, lark_grammar(fmt.grammar([other, WEATHER], "required", None)))
+    assert accepts(both, time_call) and not accepts(named, time_call)
+    assert accepts(named, tok.encode(call))
     if family == "qwen3":
         # Text then a call is Qwen's shape; a call tag inside text that is no call is not.
         assert accepts(auto, tok.encode("Let me check.\n" + call))
