@@ -13,7 +13,7 @@ import hmac
 import ipaddress
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -337,7 +337,7 @@ def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest, kin
 
 
 def _chat_prompt(tok, given: TemplateInput, special_in_content: bool,  # noqa: ANN001
-                 not_in_text: list[int] = ()) -> list[int]:
+                 not_in_text: Iterable[int] = ()) -> list[int]:
     """The chat's prompt tokens. Only the template's markup may produce special tokens; with
     --special-in-content the whole prompt is parsed for them, as llama-server does."""
     from ane_spec.model.chat import render_chat, render_chat_pieces

@@ -32,8 +32,8 @@ from ane_spec.daemon.tools import (
     TOOL_CALL,
     CallSyntax,
     ToolCallParser,
-    _arguments,
     never_spelling,
+    parsed_arguments,
     template_messages,
     tool_call_grammar,
 )
@@ -78,7 +78,7 @@ class ToolFormat:
                 message["tool_calls"] = [
                     {"type": "function", "id": c.id or "",
                      "function": {"name": c.function.name,
-                                  "arguments": _arguments(c.function.arguments, limits)}}
+                                  "arguments": parsed_arguments(c.function.arguments, limits)}}
                     for c in m.tool_calls]
             out.append(message)
         listed = None if not tools else [t.model_dump(exclude_none=True) for t in tools]

@@ -65,7 +65,7 @@ def template_messages(messages: list[ChatMessage], tools: list[Tool] | None,
             role = TOOL_RESPONSE_ROLE
         elif role == "assistant" and m.tool_calls:
             calls = [{"name": c.function.name,
-                      "arguments": _arguments(c.function.arguments, limits)}
+                      "arguments": parsed_arguments(c.function.arguments, limits)}
                      for c in m.tool_calls]
             content = [content, Markup(TOOL_CALL), json.dumps(calls, ensure_ascii=False),
                        Markup(TOOL_CALL_END)]
@@ -79,7 +79,7 @@ def template_messages(messages: list[ChatMessage], tools: list[Tool] | None,
     return out
 
 
-def _arguments(text: str, limits: GrammarLimits) -> Any:
+def parsed_arguments(text: str, limits: GrammarLimits) -> Any:
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
