@@ -57,7 +57,13 @@ def test_keys_order_as_the_floats() -> None:
         assert (np.diff(keys[[0, 1, 2, 4, 6]].astype(np.int64)) > 0).all()
 
 
-def test_processed_argmax_is_the_float_rows_argmax(tok: Tokenizer) -> None:
+def test_processed_argmax_is_the_float_rows_argmax(tok: Tokenizer, monkeypatch) -> None:
+    """Both ways: the raw winner untouched (compared with the edited ids only), and the raw
+    winner edited or forbidden (the key row with those excluded)."""
+    keyed = []
+    original = RowChooser._processed_argmax
+    monkeypatch.setattr(RowChooser, "_processed_argmax",
+                        lambda self, *a: keyed.append(1) or original(self, *a))
     rng = np.random.default_rng(0)
     grammar = Grammar(tok, json_schema_grammar(SCHEMA))
     text = tok.encode('{"a": "xy z", "b": 12}')
@@ -67,8 +73,11 @@ def test_processed_argmax_is_the_float_rows_argmax(tok: Tokenizer) -> None:
         rows = rng.choice(LEVELS, size=(1, ROW)).astype(dtype)
         if trial % 50 == 0:
             rows[:] = -np.inf
-        bias = tuple((int(t), float(rng.choice([-np.inf, -1.0, 0.5, 4.0, 5.5])))
-                     for t in rng.choice(ROW - 8, rng.integers(0, 4), replace=False))
+        raw_best = int(rows[0].astype(np.float32).argmax())
+        targets = set(rng.choice(ROW - 8, rng.integers(0, 4), replace=False).tolist())
+        if trial % 4 == 0 and raw_best < ROW - 8:
+            targets.add(raw_best)  # the raw winner itself edited
+        bias = tuple((t, float(rng.choice([-np.inf, -1.0, 0.5, 4.0, 5.5]))) for t in targets)
         params = SamplingParams(
             logit_bias=bias, ignore_eos=bool(rng.integers(2)),
             repeat_penalty=float(rng.choice([1.0, 1.3])),
@@ -80,6 +89,8 @@ def test_processed_argmax_is_the_float_rows_argmax(tok: Tokenizer) -> None:
             for t in text[:rng.integers(0, len(text))]:
                 state.advance(t)
         history = rng.integers(0, VOCAB, rng.integers(0, 24)).tolist()
+        if trial % 4 == 1:
+            history.append(raw_best)  # the raw winner penalised
         chooser = RowChooser(params, eog_ids=tok.eog_ids, history=history, grammar=state)
         if chooser.plain:
             continue
@@ -88,3 +99,4 @@ def test_processed_argmax_is_the_float_rows_argmax(tok: Tokenizer) -> None:
         assert fast(chooser, native) == expected, trial
         kinds["banned" if expected is None else "fast"] += 1
     assert kinds["fast"] > 300 and kinds["banned"] >= 5
+    assert 100 < len(keyed) < sum(kinds.values()) - 100
