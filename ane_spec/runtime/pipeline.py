@@ -24,7 +24,7 @@ from ane_spec.runtime.backend import Backend, LoadedProgram
 from ane_spec.runtime.decode_shape import DecodeShape, DecodeShapePolicy
 from ane_spec.runtime.fp16_argmax import NonFiniteLogits, argmax, chunked_argmax, require_finite
 from ane_spec.runtime.host_inputs import HostInputs
-from ane_spec.runtime.row_keys import unsigned_keys
+from ane_spec.runtime.row_keys import finite_key_range, unsigned_keys
 
 
 @dataclass
@@ -104,8 +104,15 @@ class BlockOutput:
         own dtype where it can: no float32 copy of the row."""
         i = range(self.rows)[i]
         if i in self._logits or self._read_native is None:
-            return unsigned_keys(self.row_logits(i))
-        return unsigned_keys(self._read_native(i))
+            return unsigned_keys(self.row_logits(i))  # row_logits refuses non-finite rows
+        native = self._read_native(i)
+        keys = unsigned_keys(native)
+        # The NaN rule (fp16_argmax): NaN and inf keys lie outside the finite values' key range,
+        # so two integer reductions check the row without a float pass over it.
+        low, high = finite_key_range(native.dtype)
+        if keys.size and (keys.min() < low or keys.max() > high):
+            raise NonFiniteLogits(f"row {i} of the pass")
+        return keys
 
     def row_values(self, i: int, ids: np.ndarray) -> np.ndarray:
         """Row i's logits at `ids` (float32), without reading the whole row."""

@@ -32,3 +32,11 @@ def unsigned_keys(x: np.ndarray) -> np.ndarray:
     keys -= sign
     keys ^= signed(info.min)
     return keys.view(unsigned)
+
+
+def finite_key_range(dtype: np.dtype) -> tuple[int, int]:
+    """The keys of the lowest and highest finite values of `dtype`: every key outside this range
+    is an infinity or a NaN."""
+    info = np.finfo(dtype)
+    ends = unsigned_keys(np.array([info.min, info.max], dtype=dtype))
+    return int(ends[0]), int(ends[1])
