@@ -1,6 +1,6 @@
 """Agent libraries on a real server, driving tool calls with a small max_tokens: instructor
-(TOOLS mode), pydantic-ai (an output tool through its OpenAI chat model) and smolagents
-(OpenAIServerModel under a ToolCallingAgent).
+(TOOLS mode), pydantic-ai (an output tool through its OpenAI chat model, streamed and not),
+smolagents (OpenAIServerModel under a ToolCallingAgent) and LangChain's bind_tools.
 
 Issue 20's failure: with parallel calls on (the OpenAI default), the tiny model keeps adding
 calls until max_tokens cuts one, and each of these libraries crashed on the markup that reached
@@ -12,6 +12,7 @@ results. Each test skips, naming the library, where that library is absent.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -138,6 +139,58 @@ def test_pydantic_ai_output_tool(server) -> None:
     (reply,) = [m for m in result.all_messages() if isinstance(m, ModelResponse)]
     assert reply.finish_reason == "length" and len(reply.parts) >= 2
     assert isinstance(result.output, Weather)
+    # streamed (its own client: run_sync's event loop holds the first one's connections): the
+    # same output given room; cut, pydantic-ai's own streaming errors
+    provider = OpenAIProvider(openai_client=openai.AsyncOpenAI(
+        base_url=f"{server.url}/v1", api_key="unused", max_retries=0))
+    streaming = Agent(OpenAIChatModel("m", provider=provider), output_type=Weather)
+    output, streamed_errors = asyncio.run(_streamed_outputs(streaming, UnexpectedModelBehavior))
+    assert output == result.output
+    # cut before a call is named, and inside its arguments (output validation)
+    assert len(streamed_errors) == 2, streamed_errors
+
+
+async def _streamed_outputs(agent, errors: type[Exception]):  # noqa: ANN001, ANN202
+    """The first output a growing max_tokens streams, and the errors met on the way."""
+    seen = set()
+    for max_tokens in range(4, ROOM, 6):
+        try:
+            async with agent.run_stream(ASK, model_settings={"max_tokens": max_tokens}) as run:
+                return await run.get_output(), seen
+        except errors as cut:
+            seen.add(str(cut).split(",")[0].split("(")[0])
+    raise AssertionError(f"{ROOM} tokens did not finish a streamed call")
+
+
+def test_langchain_tool_call_cut_by_max_tokens(server) -> None:
+    """LangChain sorts a call cut inside its arguments into `invalid_tool_calls` (non-streamed)
+    and parses the partial JSON of a streamed one; either way the content stays empty."""
+    langchain_openai = pytest.importorskip("langchain_openai",
+                                           reason="langchain-openai is not installed")
+    seen_invalid = False
+    for max_tokens in range(4, ROOM, 4):
+        llm = langchain_openai.ChatOpenAI(base_url=f"{server.url}/v1", api_key="unused",
+                                          model="m", max_tokens=max_tokens, max_retries=0)
+        bound = llm.bind_tools([Weather], tool_choice="required", parallel_tool_calls=False)
+        message = bound.invoke(ASK)
+        chunks = list(bound.stream(ASK))
+        streamed = sum(chunks[1:], chunks[0])
+        assert message.content == streamed.content == ""
+        names = [c["name"] for c in message.tool_calls + message.invalid_tool_calls]
+        assert names in ([], ["Weather"]), message
+        if message.invalid_tool_calls:
+            seen_invalid = True
+            (bad,) = message.invalid_tool_calls
+            assert [c["id"] for c in streamed.tool_calls] and \
+                _cut_inside_arguments(bad["args"])
+        if message.response_metadata["finish_reason"] == "tool_calls":
+            (call,) = message.tool_calls
+            assert Weather.model_validate(call["args"]) and streamed.tool_calls[0]["args"] == \
+                call["args"]
+            break
+    else:
+        raise AssertionError(f"{ROOM} tokens did not finish the call")
+    assert seen_invalid
 
 
 def test_smolagents_tool_calling_agent(server) -> None:
