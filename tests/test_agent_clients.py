@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
@@ -97,6 +99,36 @@ def test_instructor_tools_mode(client) -> None:
     assert patched.chat.completions.create(
         model="m", messages=[{"role": "user", "content": ASK}], response_model=Weather,
         max_tokens=ROOM, max_retries=0).model_dump() == weather.model_dump()
+
+
+def test_instructor_parallel_tools_mode(server, client) -> None:
+    """PARALLEL_TOOLS sends tool_choice "auto" for an Iterable of models; a logit_bias on the
+    call-start token makes the tiny model call (tests/test_tool_formats.py). Cut inside the call,
+    IncompleteOutputException; with room, a list of whole Weather objects."""
+    instructor = pytest.importorskip("instructor", reason="instructor is not installed")
+    from instructor.core.exceptions import IncompleteOutputException
+
+    (start,) = httpx.post(f"{server.url}/tokenize", json={"content": MARKUP,
+                                                          "parse_special": True}).json()["tokens"]
+    patched = instructor.from_openai(client, mode=instructor.Mode.PARALLEL_TOOLS)
+    cut_inside = 0
+    for max_tokens in range(4, ROOM, 4):
+        try:
+            found = list(patched.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": ASK}],
+                response_model=Iterable[Weather], max_tokens=max_tokens, max_retries=0,
+                logit_bias={str(start): 100}))
+        except IncompleteOutputException as cut:
+            message = cut.last_completion.choices[0].message
+            _no_markup(message)
+            calls = message.tool_calls or []
+            cut_inside += bool(calls) and _cut_inside_arguments(calls[-1].function.arguments)
+            continue
+        assert found and all(isinstance(w, Weather) for w in found), found
+        break
+    else:
+        raise AssertionError(f"{ROOM} tokens did not finish the calls")
+    assert cut_inside >= 1, "no cap cut a call inside its arguments"
 
 
 def test_pydantic_ai_output_tool(server) -> None:
