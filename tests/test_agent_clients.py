@@ -26,7 +26,7 @@ from ane_spec.daemon.config import ServeConfig
 from tests.live_server import started
 
 MARKUP = "<|tool_call|>"  # Phi-4-mini's call start: must never reach a library as text
-ROOM = 200  # max_tokens that lets the tiny model close every call it starts (see below)
+ROOM = 200  # max_tokens with room for a whole call: each test fails if its library never gets one
 
 
 class Weather(BaseModel):
