@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ane_spec.errors import AneSpecError, one_line, untrusted
+from ane_spec.runtime.decode_shape import DECODE_SHAPES
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -191,7 +192,7 @@ def _add_backend_args(p: argparse.ArgumentParser, *, decode_shape: bool = True) 
                    help="MIL interpreter arithmetic: fp32, or fp16 rounding of every op (ANE-like)")
     if not decode_shape:
         return
-    p.add_argument("--decode-shape", choices=["fixed", "mixed"], default="fixed",
+    p.add_argument("--decode-shape", choices=DECODE_SHAPES, default="fixed",
                    help="fixed (default): every pass computes 4 rows, so speculative output equals "
                         "greedy bitwise on a row-invariant backend; mixed: T=1 decode + T=4 "
                         "verify, cheaper where T=1 is much faster, exact only up to rounding. "
@@ -563,7 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--manifest", help="also check this build: residency, JIT, latency, "
                                       "row invariance, drift, parity, memory")
     p.add_argument("--gguf", help="source GGUF for the parity check (default: the manifest's)")
-    p.add_argument("--decode-shape", choices=["fixed", "mixed"], default="fixed",
+    p.add_argument("--decode-shape", choices=DECODE_SHAPES, default="fixed",
                    help="the decode shape to check (sets Core ML's reshape hint); residency is "
                         "planned at T=4 only, so with mixed, T=1 residency is unproven")
     p.add_argument("--json", action="store_true", help="print one JSON object with a checks list")

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ane_spec.decode.session import GUARD_FACTOR, DecodeSession, GenerateOptions
+from ane_spec.decode.session import DecodeSession, GenerateOptions
+from ane_spec.runtime.decode_shape import GUARD_FACTOR
 from ane_spec.manifests.store import load_manifest
 from ane_spec.probes.drift import measure_drift
 from ane_spec.probes.row_invariance import run_row_invariance

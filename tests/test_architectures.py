@@ -205,8 +205,10 @@ def test_shards_match_the_reference(builds: dict[str, Path], conditioned: dict[s
 @pytest.fixture(scope="module")
 def chaotic_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """embed std 0.05, branches x4: varied greedy output (the contract doc's first trap)."""
+    # 2*S: Meta's Llama 3.2 template writes a dated system turn even for a bare "hi", 67
+    # tokens in this small vocabulary.
     return build_family(tmp_path_factory.mktemp("arch-chaotic"), ARCHS, BuildRequest(
-        topology="3", max_seq=S), seed=11)
+        topology="3", max_seq=2 * S), seed=11)
 
 
 def build_family(root: Path, archs: tuple[str, ...], request: BuildRequest,
@@ -342,7 +344,10 @@ def test_prompts_get_bos_as_llama_cpp_adds_it(chaotic_builds: dict[str, Path]) -
     assert prompt_tokens(qwen, prompt="hi") == qwen.tokenizer.encode("hi")
     ids = prompt_tokens(qwen, messages=chat)
     assert ids[0] == qwen.tokenizer.id_of("<|im_start|>")
-    assert qwen.tokenizer.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    # Qwen 2.5's template adds its default system turn.
+    assert qwen.tokenizer.decode(ids) == (
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+        "assistant.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_the_daemon_serves_a_llama_build(chaotic_builds: dict[str, Path]) -> None:
@@ -375,10 +380,7 @@ def test_the_daemon_serves_a_llama_build(chaotic_builds: dict[str, Path]) -> Non
                 text = r.choices[0].text
             assert prompt.count(pipeline.tokenizer.bos_token_id) == 1
             assert r.usage.prompt_tokens == len(prompt) and text == ref.text
-        # Tool calls exist only in Phi-4-mini's format so far: refused by name, not garbled.
-        tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-        with pytest.raises(openai.BadRequestError, match="no <\\|tool_call\\|> token"):
-            client.chat.completions.create(model="any", messages=chat, tools=tools)
+        # Tool calls in Llama 3's own format: tests/test_tool_formats.py.
 
 
 def test_a_new_architecture_is_one_description(monkeypatch: pytest.MonkeyPatch,

@@ -114,28 +114,70 @@ def test_tool_round_trip(client) -> None:
     assert len(tokens) == prompt
 
 
-def test_streamed_tool_call_deltas_reassemble(client) -> None:
-    kw = dict(model="m", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=120,
-              parallel_tool_calls=False)
-    whole = client.chat.completions.create(**kw).choices[0]
+def streamed(chunks) -> tuple[str, str | None, list[dict]]:
+    """(content, finish_reason, calls) of a chat stream, with OpenAI's per-chunk promises checked:
+    at most one entry per call index in a chunk, and a call's id and name come once, first."""
     calls: dict[int, dict] = {}
     reason, content = None, ""
-    for chunk in client.chat.completions.create(stream=True, **kw):
+    for chunk in chunks:
         if not chunk.choices:
             continue
         delta = chunk.choices[0].delta
         content += delta.content or ""
         reason = chunk.choices[0].finish_reason or reason
+        indices = [d.index for d in delta.tool_calls or ()]
+        assert len(indices) == len(set(indices)), delta.tool_calls
         for d in delta.tool_calls or ():
             slot = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
             if d.id:
-                assert slot["id"] is None  # the id and name come once, first
+                assert slot["id"] is None and slot["arguments"] == ""
                 slot["id"], slot["name"] = d.id, d.function.name
             slot["arguments"] += d.function.arguments or ""
+    return content, reason, [calls[i] for i in sorted(calls)]
+
+
+def test_streamed_tool_call_deltas_reassemble(client) -> None:
+    kw = dict(model="m", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=120,
+              parallel_tool_calls=False)
+    whole = client.chat.completions.create(**kw).choices[0]
+    content, reason, calls = streamed(client.chat.completions.create(stream=True, **kw))
     assert reason == "tool_calls" and content == ""
-    assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+    assert [(c["name"], c["arguments"]) for c in calls] == \
         [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
     assert len(calls[0]["arguments"]) > 5
+
+
+def test_tool_calls_cut_by_max_tokens(client) -> None:
+    """Cut anywhere by max_tokens, a reply of tool calls comes back as OpenAI returns one: the
+    calls that began (the last with its truncated arguments string), finish_reason "length",
+    no markup in the content, and the same calls streamed as not."""
+    kw = dict(model="m", messages=ASK, tools=[WEATHER], tool_choice="required")
+    full = client.chat.completions.create(max_tokens=200, **kw).choices[0]
+    assert full.finish_reason == "tool_calls"
+    reference = [(c.function.name, c.function.arguments) for c in full.message.tool_calls]
+    cuts = []  # (whole calls, length of the truncated call's arguments) per cut inside a call
+    for max_tokens in range(1, 200, 3):
+        whole = client.chat.completions.create(max_tokens=max_tokens, **kw).choices[0]
+        content, reason, calls = streamed(client.chat.completions.create(
+            stream=True, max_tokens=max_tokens, **kw))
+        got = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()]
+        assert [(c["name"], c["arguments"]) for c in calls] == got, max_tokens
+        assert (whole.message.content or "") == content == "", max_tokens
+        if whole.finish_reason == "tool_calls":  # it fit: every later cap gives the same
+            assert got == reference
+            break
+        assert whole.finish_reason == reason == "length", max_tokens
+        # what was generated so far, call for call: whole calls, then maybe a truncated one
+        for j, (name, arguments) in enumerate(got):
+            assert name == reference[j][0], max_tokens
+            assert (arguments == reference[j][1] if j < len(got) - 1
+                    else reference[j][1].startswith(arguments)), max_tokens
+        if got and got[-1][1] != reference[len(got) - 1][1]:
+            cuts.append((len(got) - 1, len(got[-1][1])))
+    else:
+        raise AssertionError("200 tokens did not finish the calls")
+    assert len(reference) >= 2 and {0, 1} <= {n for n, _ in cuts}  # cut in the 1st and 2nd
+    assert len(cuts) >= 3 and all(arguments for _, arguments in cuts), cuts
 
 
 def test_sampling_parameters_do_what_llama_cpp_documents(client, server) -> None:
@@ -267,9 +309,26 @@ def test_tool_call_parser_is_independent_of_how_text_is_split() -> None:
         parser, content, calls = ToolCallParser(), "", {}
         for i in range(0, len(text), step):
             piece, deltas = parser.feed(text[i:i + step])
+            assert len({d["index"] for d in deltas}) == len(deltas)  # one entry per call
             content += piece
             for d in deltas:
                 name, args = calls.get(d["index"], (None, ""))
                 calls[d["index"]] = (d["function"].get("name", name),
                                      args + d["function"]["arguments"])
         assert content + parser.finish() == "ok " and list(calls.values()) == expected, step
+
+
+def test_tool_call_parser_keeps_a_call_cut_inside_its_arguments() -> None:
+    """Cut by max_tokens: a call whose name is whole is returned with the arguments so far;
+    only the calls whose arguments closed are whole (and judged against their schema)."""
+    from ane_spec.daemon.tools import ToolCallParser
+
+    text = '<|tool_call|>[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {"y": [2'
+    parser = ToolCallParser()
+    assert parser.feed(text)[0] == "" and not parser.complete
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in parser.calls] == \
+        [("a", '{"x": 1}'), ("b", '{"y": [2')]
+    assert [c["function"]["name"] for c in parser.whole_calls] == ["a"]
+    header_only = ToolCallParser()
+    header_only.feed('<|tool_call|>[{"name": "get_w')
+    assert header_only.calls == [] and header_only.finish() == ""

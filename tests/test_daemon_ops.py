@@ -1,12 +1,13 @@
 """The daemon's operations on real uvicorn servers: queueing, client disconnects, warm-up, auth,
 unsafe configs, the foreground `serve` process and the macOS LaunchAgent.
 
-Slow generations come from the test-only `test_pass_delay_seconds` knob (a sleep before every
-pass); nothing here asserts on durations, waits are bounded polls of /health and /metrics.
+Slow generations come from a test-side pipeline wrapper (tests/paced_pipeline.py: a wait before
+every pass); nothing here asserts on durations, waits are bounded polls of /health and /metrics.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import plistlib
@@ -14,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,6 +25,7 @@ import pytest
 from pydantic import ValidationError
 
 from ane_spec.daemon.config import ServeConfig, ServeConfigError
+from ane_spec.daemon.engine import Engine, load_pipeline
 from ane_spec.daemon.launchd import LABEL, install_launch_agent, serve_arguments
 from ane_spec.daemon.server import BackgroundServer, serve
 from ane_spec.decode.session import DecodeSession, GenerateOptions
@@ -30,6 +33,7 @@ from ane_spec.errors import AneSpecError
 from ane_spec.model.chat import render_chat
 from ane_spec.probes.gates import open_pipeline
 from ane_spec.shards.build import BuildRequest, build
+from tests.paced_pipeline import PacedPipeline
 
 S = 128
 PASS_DELAY = 0.1  # seconds before every pass on the slow server
@@ -48,6 +52,20 @@ def artifacts(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
 def config(artifacts: Path, **kw) -> ServeConfig:
     return ServeConfig(**{"manifest": artifacts, "port": 0, "backend": "mil", "precision": "fp32",
                           "log_level": "warning", "access_log": False, **kw})
+
+
+def paced_server(cfg: ServeConfig, **pacing) -> BackgroundServer:
+    """A real server whose pipeline is wrapped from the test side (see PacedPipeline)."""
+    return BackgroundServer(cfg, engine=Engine(cfg, PacedPipeline(load_pipeline(cfg), **pacing)))
+
+
+@contextlib.contextmanager
+def _released(gate: threading.Event):
+    """Whatever the test asserts, let the held warm-up finish so the server can stop."""
+    try:
+        yield
+    finally:
+        gate.set()
 
 
 def poll(url: str, predicate, what: str, timeout: float = 30.0):
@@ -78,8 +96,7 @@ def ready(url: str) -> dict:
 
 @pytest.fixture(scope="module")
 def slow(artifacts: Path):
-    with BackgroundServer(config(artifacts, max_queue=1,
-                                 test_pass_delay_seconds=PASS_DELAY)) as srv:
+    with paced_server(config(artifacts, max_queue=1), pass_delay=PASS_DELAY) as srv:
         srv.health = ready(srv.url)
         yield srv
 
@@ -196,14 +213,15 @@ def test_mixed_decode_shape_warms_both_widths_and_calibrates_the_guard(artifacts
 
 
 def test_warming_up_is_503_with_retry_after(artifacts: Path) -> None:
-    with BackgroundServer(config(artifacts, test_warmup_delay_seconds=3)) as srv:
+    gate = threading.Event()
+    with paced_server(config(artifacts), warm_gate=gate) as srv, _released(gate):
         r = httpx.get(f"{srv.url}/health")
         health = r.json()
         assert r.status_code == 503 and health["status"] == "loading"
         assert {"step", "done", "total", "fraction"} <= set(health["progress"])
-        # The fixed decode shape warms one pass width: 2 shards + the head at T=4, plus the
-        # test's delay step. No T=1 specialisation, no pass-cost policy, no drift calibration.
-        assert health["progress"]["total"] == 4
+        # The fixed decode shape warms one pass width: 2 shards + the head at T=4. No T=1
+        # specialisation, no pass-cost policy, no drift calibration.
+        assert health["progress"]["total"] == 3 and health["progress"]["done"] == 0
         r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3})
         assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
         assert r.json()["error"]["code"] == "warming_up"
@@ -213,6 +231,7 @@ def test_warming_up_is_503_with_retry_after(artifacts: Path) -> None:
         m = metrics_dict(httpx.get(f"{srv.url}/metrics").text)
         assert m["ane_spec_ready"] == 0
         assert m['ane_spec_requests_total{endpoint="completions",outcome="rejected_warming"}'] == 2
+        gate.set()
         health = ready(srv.url)
         assert health["warmup_seconds"] > 0
         r = client.completions.create(model="m", prompt="hi", max_tokens=3)

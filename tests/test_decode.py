@@ -16,7 +16,7 @@ from ane_spec.errors import AneSpecError
 from ane_spec.probes.gates import open_pipeline
 from ane_spec.runtime.pipeline import BlockOutput
 from ane_spec.shards.build import BuildRequest, build
-from tests.scripted_drafter import ScriptedDrafter
+from ane_spec.bench.scripted_drafter import ScriptedDrafter
 
 S = 64
 

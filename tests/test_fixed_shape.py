@@ -24,8 +24,8 @@ from ane_spec.probes.row_invariance import run_row_invariance
 from ane_spec.runtime.mil_backend import MILBackend
 from ane_spec.runtime.pipeline import ShardPipeline
 from ane_spec.shards.build import BuildRequest, build
+from ane_spec.bench.scripted_drafter import ScriptedDrafter
 from ane_spec.shards.layer_graph import GraphVariant
-from tests.scripted_drafter import ScriptedDrafter
 
 S = 64
 BUILDS = {

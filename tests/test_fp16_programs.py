@@ -4,6 +4,7 @@ rows the scatter writes are finite whatever a row computed."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import coremltools as ct
@@ -17,7 +18,7 @@ from ane_spec.model.rope import make_rope_spec
 from ane_spec.runtime.host_inputs import MASK_VALUE, HostInputs
 from ane_spec.runtime.mil_interpreter import MILInterpreter
 from ane_spec.shards.build import BuildRequest, build
-from ane_spec.shards.layer_graph import GraphVariant, finite_rows, stable_softmax
+from ane_spec.shards.layer_graph import GraphVariant, finite_rows, hide_slots, stable_softmax
 from ane_spec.shards.programs import save_package
 from ane_spec.shards.static_checks import LAYER_OPS, dtype_problems, read_package_facts
 
@@ -171,6 +172,44 @@ def test_finite_rows_saturates_inf_and_zeroes_nan(tmp_path: Path, precision: str
     # Bit for bit: the sign of zero too.
     bits = np.uint16 if precision == "fp16" else np.uint32
     assert np.array_equal(got.view(bits), expected.view(bits))
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+def test_hidden_slots_get_zero_weight_whatever_they_score(precision: str) -> None:
+    """The layers' mask then softmax, as the program runs them: hidden slots scoring inf, NaN or
+    the largest finite value get exactly 0 weight; visible scores as large as 30,000 or as low
+    as -32,000 decide alone; and no op overflows fp16 on the way (a hidden score of -65504 made
+    `score - max` overflow as soon as a row's maximum passed 16)."""
+    f16max = float(np.finfo(np.float16).max)
+    scores = np.zeros((4, S), np.float32)
+    mask = np.full((4, S), MASK_VALUE, np.float32)
+    mask[:, :8] = 0.0                                     # eight visible slots per row
+    scores[0, :8] = np.linspace(-30000, 30000, 8)
+    scores[1, :8] = np.linspace(-32000, -31990, 8)
+    scores[2, :8] = np.arange(8)
+    scores[:, 8::3], scores[:, 9::3], scores[:, 10::3] = np.inf, np.nan, f16max  # hidden slots
+    scores[3] = -np.inf                                  # a row whose visible scores are -inf too
+    scores[3, 8:] = f16max
+
+    @mb.program(input_specs=[mb.TensorSpec((1, 1, 4, S), dtype=types.fp16) for _ in "sm"],
+                opset_version=IOS18)
+    def prog(s, m):
+        return stable_softmax(hide_slots(s, mb.greater_equal(x=m, y=np.float16(0.0))))
+
+    interp = MILInterpreter.from_program(prog, precision=precision)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the interpreter warns on fp16 overflow
+        probs = next(iter(interp.predict({"s": scores.reshape(1, 1, 4, S).astype(np.float16),
+                                          "m": mask.reshape(1, 1, 4, S).astype(np.float16)}
+                                         ).values()))[0, 0].astype(np.float64)
+    assert (probs[:3, 8:] == 0).all()
+    assert probs[0, 7] == 1.0 and np.isfinite(probs[:3]).all()
+    visible = scores[1:3, :8].astype(np.float16).astype(np.float64)  # what the program gets
+    ideal = np.exp(visible - visible.max(-1, keepdims=True))
+    np.testing.assert_allclose(probs[1:3, :8], ideal / ideal.sum(-1, keepdims=True), atol=2e-3)
+    # The documented limit: a row whose every visible score is below HIDDEN_SCORE + 17 (here
+    # -inf, a row whose own arithmetic broke) gives the hidden slots weight; it stays finite.
+    assert np.isfinite(probs[3]).all() and (probs[3, :8] == 0).all()
 
 
 def rms_program(eps: np.float16):

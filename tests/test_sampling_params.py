@@ -24,7 +24,7 @@ from ane_spec.model.vocab import build_synthetic_vocab
 from ane_spec.probes.gates import open_pipeline
 from ane_spec.runtime.pipeline import BlockOutput
 from ane_spec.shards.build import BuildRequest, build
-from tests.scripted_drafter import ScriptedDrafter
+from ane_spec.bench.scripted_drafter import ScriptedDrafter
 from tests.test_sampling import ALPHA, _pooled
 
 

@@ -13,9 +13,9 @@ import hmac
 import ipaddress
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -40,13 +40,16 @@ from ane_spec.daemon.protocol import (
     DetokenizeRequest, Envelope, FunctionSpec, ResponseFormat, SpeculationOptions, StreamOptions,
     TextPart, TokenizeRequest, Tool, dumps, error_body, finish_reason, logprobs_body, usage,
 )
+from ane_spec.daemon.tool_formats import (
+    PHI4, TemplateInput, ToolFormat, tool_format_of, tool_tag_ids,
+)
 from ane_spec.daemon.tools import (
-    TOOL_CALL, ToolCallParser, check_calls, template_messages, tool_call_grammar,
+    ToolCallParser, check_calls,
 )
 from ane_spec.decode.grammar import Grammar, GrammarError
 from ane_spec.decode.grammar_limits import check_schema
 from ane_spec.decode.sampling import SamplingParams
-from ane_spec.decode.session import GenerateOptions, GenerationResult
+from ane_spec.decode.session import GenerateOptions, GenerationResult, NeedsLogits, needs_logits
 from ane_spec.errors import AneSpecError
 
 log = logging.getLogger("ane_spec.daemon")
@@ -244,7 +247,8 @@ class Plan:
     """A validated request: the engine's work item and what the response does with its text."""
 
     item: WorkItem
-    tools: list[Tool] | None = None  # parse <|tool_call|> output into calls to these
+    tools: list[Tool] | None = None  # parse output into calls to these, in this format:
+    tool_format: ToolFormat = PHI4
     schema: dict[str, Any] | None = None  # the output must be JSON valid against it
 
 
@@ -263,20 +267,21 @@ def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest, kin
     tok, config, ctx = engine.tokenizer, engine.config, engine.context
     vocab = engine.pipeline.config.vocab_size
     uses_tools = kind == "chat" and body.uses_tools
-    if uses_tools and tok.id_of(TOOL_CALL) not in tok.markup_ids:
-        # Llama 3 (JSON) and Qwen (<tool_call> tags) call tools in formats of their own, which
-        # this server does not parse yet; Phi-4-mini's would only be text to them.
-        raise BadRequest(f"tools: this model ({engine.pipeline.config.arch}) has no {TOOL_CALL} "
-                         "token; tool calls are implemented for Phi-4-mini's format only",
-                         "tools")
+    fmt = tool_format_of(tok.data.chat_template, tok.markup_ids, tok.id_of)
+    if uses_tools and fmt is None:
+        raise BadRequest(f"tools: this model's chat template ({engine.pipeline.config.arch}) "
+                         "has no tool-call format this server knows (Phi-4-mini's "
+                         "<|tool_call|>, Llama 3's JSON calls, Qwen's <tool_call> tags)", "tools")
+    # A template without a known format still renders earlier calls somehow: as Phi-4-mini's.
+    fmt = fmt or PHI4
     if kind == "chat":
         where = "messages"
         try:
-            messages = template_messages(body.messages, body.tools if uses_tools else None,
-                                         engine.grammars.limits)
+            given = fmt.template_input(body.messages, body.tools if uses_tools else None,
+                                       engine.grammars.limits)
         except (ValueError, GrammarError) as exc:
             raise BadRequest(str(exc), "messages") from None
-        prompt = _chat_prompt(tok, messages, config.special_in_content)
+        prompt = _chat_prompt(tok, given, config.special_in_content, tool_tag_ids(fmt, tok.id_of))
     else:
         where = "prompt"
         source = body.single_prompt()
@@ -300,13 +305,10 @@ def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest, kin
     max_tokens = min(body.requested_max_tokens() or ctx, room)
 
     sampling = _sampling(engine, body)
-    constraint = _constraint(engine, body, kind, uses_tools)
+    constraint = _constraint(engine, body, kind, fmt if uses_tools else None)
     if constraint is not None and sampling.ignore_eos:
         raise BadRequest("ignore_eos: cannot be combined with a grammar, a response_format or "
                          "tools (the grammar decides where the output ends)", "ignore_eos")
-    top_n = body.top_n
-    if engine.pipeline.head_argmax:
-        _refuse_for_argmax_head(body, sampling, constraint, top_n)
 
     ext = body.ane_spec or SpeculationOptions()
     lo = config.ngram_min if ext.ngram_min is None else ext.ngram_min
@@ -323,25 +325,33 @@ def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest, kin
         speculative=config.speculative if ext.speculative is None else ext.speculative,
         guard=config.guard if ext.guard is None else ext.guard,
         grammar=None if constraint is None else constraint.grammar,
-        logprobs=top_n, special_text=uses_tools)
+        logprobs=body.top_n, special_text=uses_tools)
+    refusal = needs_logits(options) if engine.pipeline.head_argmax else None
+    if refusal is not None:
+        if refusal.param == "grammar":  # the parameter that asked for it
+            refusal = NeedsLogits(constraint.param)
+        raise BadRequest(str(refusal), refusal.param)
     return Plan(WorkItem(prompt, options, lo, hi, kind, scope),
-                tools=body.tools if uses_tools else None,
+                tools=body.tools if uses_tools else None, tool_format=fmt,
                 schema=None if constraint is None else constraint.schema)
 
 
-def _chat_prompt(tok, messages: list[dict[str, Any]], special_in_content: bool) -> list[int]:  # noqa: ANN001
+def _chat_prompt(tok, given: TemplateInput, special_in_content: bool,  # noqa: ANN001
+                 not_in_text: Iterable[int] = ()) -> list[int]:
     """The chat's prompt tokens. Only the template's markup may produce special tokens; with
     --special-in-content the whole prompt is parsed for them, as llama-server does."""
     from ane_spec.model.chat import render_chat, render_chat_pieces
 
-    kw = dict(template=tok.data.chat_template,
+    messages = given.messages
+    kw = dict(template=tok.data.chat_template, tools=given.tools, extra=given.extra,
               eos_token=_token_text(tok, tok.eos_token_id, "<|endoftext|>"),
               bos_token=_token_text(tok, tok.bos_token_id, "<|endoftext|>"),
               add_bos=tok.data.add_bos_token)
     try:
         if special_in_content:
             return tok.encode(render_chat(messages, **kw), special=True, add_special=True)
-        return tok.encode_pieces(render_chat_pieces(messages, **kw), add_special=True)
+        return tok.encode_pieces(render_chat_pieces(messages, **kw), add_special=True,
+                                 not_in_text=not_in_text)
     except AneSpecError as exc:
         raise BadRequest(str(exc), "messages") from None
 
@@ -369,7 +379,8 @@ def _sampling(engine: Engine, body: ChatCompletionRequest | CompletionRequest) -
 
 
 def _constraint(engine: Engine, body: ChatCompletionRequest | CompletionRequest, kind: str,
-                uses_tools: bool) -> Constraint | None:
+                tool_format: ToolFormat | None) -> Constraint | None:
+    uses_tools = tool_format is not None
     fmt = body.response_format if kind == "chat" else None
     schema: dict[str, Any] | None = None
     if uses_tools:
@@ -392,7 +403,7 @@ def _constraint(engine: Engine, body: ChatCompletionRequest | CompletionRequest,
                 if t.function.parameters is not None:
                     check_schema(t.function.parameters,
                                  f"tools[{i}].function.parameters", compiler.limits)
-            grammar = compiler.compile("lark", tool_call_grammar(
+            grammar = compiler.compile("lark", tool_format.grammar(
                 body.tools, body.tool_choice, body.parallel_tool_calls), what)
         elif schema is not None:
             grammar = compiler.compile("json_schema", schema, what)
@@ -401,21 +412,6 @@ def _constraint(engine: Engine, body: ChatCompletionRequest | CompletionRequest,
         return Constraint(grammar, param, schema)
     except GrammarError as exc:
         raise BadRequest(str(exc), param) from None
-
-
-def _refuse_for_argmax_head(body, sampling: SamplingParams,  # noqa: ANN001
-                            constraint: Constraint | None, top_n: int | None) -> None:
-    why = "this build's LM head emits only argmax (--head-argmax): rebuild without it to use "
-    if sampling.temperature > 0:
-        raise BadRequest(why + "sampling (or use temperature 0)", "temperature")
-    if top_n is not None:
-        raise BadRequest(why + "logprobs", "logprobs")
-    for name in ("repeat_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
-                 "ignore_eos"):
-        if name in body.model_fields_set and sampling.edits_logits:
-            raise BadRequest(why + name, name)
-    if constraint is not None:
-        raise BadRequest(why + constraint.param, constraint.param)
 
 
 def _token_text(tok, token_id: int | None, fallback: str) -> str:  # noqa: ANN001
@@ -681,53 +677,67 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
         return logprobs_body(plan.item.endpoint, result.logprobs, result.tokens,
                              engine.tokenizer.token_bytes)
 
-    async def collect(request: Request, job: Job, plan: Plan, envelope: Envelope) -> Response:
+    def finish(job: Job, plan: Plan, final: tuple[str, Any],
+               parser: ToolCallParser | None) -> Ending:
+        """The end of every generation request, streamed or not: what the client is told, from
+        the worker's last event and the tool calls `parser` has read from the whole text; the
+        request's outcome is counted here."""
         kind = job.item.endpoint
-        watcher = asyncio.create_task(_watch_disconnect(request, engine, job))
-        try:
-            while True:
-                event, payload = await job.events.get()
-                if event != "text":
-                    break
-        finally:
-            watcher.cancel()
+        event, payload = final
         if event == "error":
             status, message = payload
             metrics.request(kind, "failed" if status >= 500 else "rejected_invalid")
-            return error_response(status, message,
-                                  "server_error" if status >= 500 else "invalid_request_error")
+            return Ending(error=(status, message, None))
         if payload is None or payload.finish_reason == "cancelled":
             metrics.request(kind, "cancelled")
             if engine.stopping:
-                return error_response(503, "the server is shutting down", "server_error")
-            return error_response(499, "the client closed the request", code="cancelled")
-        result = payload
-        text, calls = result.text, None
-        if plan.tools:
-            parser = ToolCallParser()
-            content, _ = parser.feed(text)
-            content += parser.finish()
-            if parser.complete:
-                text, calls = content or None, parser.calls
-        problem = _check_output(plan, result, calls)
+                return Ending(error=(503, "the server is shutting down", None))
+            return Ending(error=(499, "the client closed the request", "cancelled"))
+        result: GenerationResult = payload
+        # Every call that began, the last one possibly cut off by max_tokens (its arguments
+        # truncated, as OpenAI returns it); only whole calls can be judged.
+        calls = parser.calls if parser is not None else []
+        problem = _check_output(plan, result, parser.whole_calls if parser else None)
+        ending = Ending(result=result, calls=calls or None,
+                        reason=finish_reason(result.finish_reason, bool(calls)),
+                        use=usage(result.prompt_tokens, len(result.tokens)),
+                        ext=extension(engine, job, result), logprobs=logprobs_of(plan, result))
         if problem:
             metrics.request(kind, "failed")
-            return error_response(500 if problem[0] else 400, problem[1],
-                                  "server_error" if problem[0] else "invalid_request_error",
-                                  code="invalid_output")
+            return replace(ending, error=(500 if problem[0] else 400, problem[1],
+                                          "invalid_output"))
         metrics.request(kind, "completed")
+        return ending
+
+    async def collect(request: Request, job: Job, plan: Plan, envelope: Envelope) -> Response:
+        watcher = asyncio.create_task(_watch_disconnect(request, engine, job))
+        try:
+            while True:
+                final = await job.events.get()
+                if final[0] != "text":
+                    break
+        finally:
+            watcher.cancel()
+        parser = plan.tool_format.parser() if plan.tools else None
+        content = None
+        if parser is not None and final[0] == "done" and final[1] is not None:
+            content, _ = parser.feed(final[1].text)
+            content += parser.finish()
+        ending = finish(job, plan, final, parser)
+        if ending.error is not None:
+            status, message, code = ending.error
+            return error_response(status, message, error_type(status), code=code)
+        result = ending.result
         return JSONResponse(envelope.response(
-            text, finish_reason(result.finish_reason, bool(calls)),
-            usage(result.prompt_tokens, len(result.tokens)), extension(engine, job, result),
-            tool_calls=calls, logprobs=logprobs_of(plan, result)))
+            result.text if parser is None else content or None, ending.reason, ending.use,
+            ending.ext, tool_calls=ending.calls, logprobs=ending.logprobs))
 
     async def stream(job: Job, plan: Plan, envelope: Envelope,
                      include_usage: bool) -> AsyncIterator[str]:
-        kind = job.item.endpoint
         finished = False
-        parser = ToolCallParser() if plan.tools else None
+        parser = plan.tool_format.parser() if plan.tools else None
         try:
-            if kind == "chat":
+            if job.item.endpoint == "chat":
                 yield sse(envelope.chunk(first=True))
             final = None
             while final is None:
@@ -748,38 +758,21 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
                         piece += parser.finish()
                 if piece or deltas:
                     yield sse(envelope.chunk(piece or None, tool_calls=deltas or None))
-            event, payload = final
-            if event == "error":
-                status, message = payload
-                metrics.request(kind, "failed" if status >= 500 else "rejected_invalid")
-                yield sse(error_body(message, "server_error" if status >= 500
-                                     else "invalid_request_error"))
-            elif payload is None or payload.finish_reason == "cancelled":
-                metrics.request(kind, "cancelled")
-                yield sse(error_body("the server is shutting down", "server_error"))
-            else:
-                result = payload
-                problem = _check_output(plan, result, parser.calls if parser is not None
-                                        and parser.complete else None)
-                if problem:  # the text has left already: say so before the end of the stream
-                    metrics.request(kind, "failed")
-                    yield sse(error_body(problem[1], "server_error" if problem[0]
-                                         else "invalid_request_error", code="invalid_output"))
-                else:
-                    metrics.request(kind, "completed")
-                calls = parser is not None and parser.complete
-                yield sse(envelope.chunk(None, finish_reason(result.finish_reason, calls),
-                                         ext=extension(engine, job, result),
-                                         logprobs=logprobs_of(plan, result)))
+            ending = finish(job, plan, final, parser)
+            if ending.error is not None:  # with a result, its text has left already
+                status, message, code = ending.error
+                yield sse(error_body(message, error_type(status), code=code))
+            if ending.result is not None:
+                yield sse(envelope.chunk(None, ending.reason, ext=ending.ext,
+                                         logprobs=ending.logprobs))
                 if include_usage:
-                    yield sse(envelope.usage_chunk(usage(result.prompt_tokens,
-                                                         len(result.tokens))))
+                    yield sse(envelope.usage_chunk(ending.use))
             finished = True
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client went away (the response task was cancelled)
                 engine.cancel(job)
-                metrics.request(kind, "cancelled")
+                metrics.request(job.item.endpoint, "cancelled")
 
     # The other protocols: thin adapters over `generate` (see relay.py).
     app.include_router(llama_server_api.router(engine, generate))
@@ -792,6 +785,25 @@ def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
 _FIELDS = frozenset().union(*(m.model_fields for m in (
     ChatCompletionRequest, CompletionRequest, ChatMessage, TextPart, SpeculationOptions,
     StreamOptions, Tool, FunctionSpec, ResponseFormat, TokenizeRequest, DetokenizeRequest)))
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a generation request ends, the same whether it streams: an error (status, message,
+    code), and/or the result with OpenAI's finish_reason, tool calls, usage, the ane_spec
+    extension and logprobs."""
+
+    error: tuple[int, str, str | None] | None = None
+    result: GenerationResult | None = None
+    calls: list[dict[str, Any]] | None = None
+    reason: str | None = None
+    use: dict[str, int] | None = None
+    ext: dict[str, Any] | None = None
+    logprobs: dict[str, Any] | None = None
+
+
+def error_type(status: int) -> str:
+    return "server_error" if status >= 500 else "invalid_request_error"
 
 
 def _check_output(plan: Plan, result: GenerationResult,

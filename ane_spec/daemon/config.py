@@ -20,6 +20,7 @@ from ane_spec.decode.draft_memory import DEFAULT_MEMORY_TOKENS
 from ane_spec.decode.drafter import NgramDrafter
 from ane_spec.errors import AneSpecError
 from ane_spec.runtime.backend import default_backend_name
+from ane_spec.runtime.decode_shape import DecodeShape
 
 LOOPBACK_NAMES = ("localhost",)
 # Host header values a loopback server always answers to (besides loopback IP literals).
@@ -67,7 +68,7 @@ class ServeConfig(BaseModel):
     backend: Literal["mil", "coreml"] = Field(default_factory=default_backend_name)
     precision: Literal["fp32", "fp16"] = "fp32"
     # fixed: every pass at T=4 (exact, one JIT specialisation per shard); mixed: T=1 + T=4.
-    decode_shape: Literal["fixed", "mixed"] = "fixed"
+    decode_shape: DecodeShape = "fixed"
     max_queue: int = Field(8, ge=0, le=10_000)  # waiting requests beyond the running one
     speculative: bool = True
     ngram_min: int = Field(_DRAFTER_DEFAULTS["ngram_min"].default, ge=1, le=MAX_NGRAM)
@@ -98,12 +99,6 @@ class ServeConfig(BaseModel):
     # Cross-request drafting (daemon/draft_scopes.py). None: per-key with an API key, else shared.
     draft_memory: DraftMemoryMode | None = None
     draft_memory_tokens: int = Field(DEFAULT_MEMORY_TOKENS, ge=1024, le=1 << 22)
-    # --- test-only knobs: never set these in production --------------------------------------
-    # Sleep before every pass through the shards, to make generations slow enough for tests of
-    # queueing and client disconnects.
-    test_pass_delay_seconds: float = Field(0.0, ge=0.0, le=10.0)
-    # Sleep at the start of warm-up, to make the warming window observable.
-    test_warmup_delay_seconds: float = Field(0.0, ge=0.0, le=600.0)
 
     @field_validator("api_key")
     @classmethod

@@ -119,20 +119,6 @@ class Job:
                 "cancelled": self.cancelled.is_set()}
 
 
-class _PacedPipeline:
-    """Test-only (`test_pass_delay_seconds`): the pipeline, sleeping before every pass."""
-
-    def __init__(self, pipeline: ShardPipeline, delay: float):
-        self._pipeline, self._delay = pipeline, delay
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._pipeline, name)
-
-    def run(self, tokens, position, state):  # noqa: ANN001 - ShardPipeline.run's signature
-        time.sleep(self._delay)
-        return self._pipeline.run(tokens, position, state)
-
-
 @dataclass
 class Warmup:
     done: int = 0
@@ -354,8 +340,8 @@ class Engine:
             session.drafter = NgramDrafter(ngram_min=item.ngram_min, ngram_max=item.ngram_max)
         memory = self.memories.get(item.scope)
         sampling = item.options.sampling
-        output_safe = (self.pipeline.decode_shape == "fixed" if sampling.greedy
-                       else sampling.seed is None)
+        output_safe = self.pipeline.shape.drafts_cannot_change_output(
+            sampling.greedy, sampling.seed is not None)
         session.drafter.memory = memory if output_safe else None
         try:
             slot = slots.acquire(item.prompt, item.scope)
@@ -404,26 +390,19 @@ class Engine:
         p = self.pipeline
         state = p.new_state()
         steps: list[tuple[str, Callable[[], Any]]] = []
-        # The fixed shape runs only T=4, so only T=4's JIT is paid for.
         n = len(p.shards)
-        for t in p.jit_widths:
+        for t in p.shape.jit_widths:
             for k in range(n):
                 steps.append((f"T={t} shard {k + 1}/{n}",
                               lambda t=t, k=k: self._warm_shard(t, k, state)))
             steps.append((f"T={t} head", lambda t=t: self._warm_head(t)))
-        if p.decode_shape == "fixed":
-            self.fill_drafts = True  # an empty draft slot costs as much as a full one
-        else:
+        if p.shape.needs_pass_costs:
             steps.append(("draft cost policy (T=1 vs T=4 pass time)", self._measure_policy))
-            if p.manifest.drift.get(p.drift_key) is None:
-                steps.append((f"drift for the exactness guard ({p.drift_key})",
-                              self._measure_drift))
-        delay = self.config.test_warmup_delay_seconds
-        self.warmup = Warmup(total=len(steps) + (1 if delay else 0))
-        if delay:
-            self.warmup.step = "test warm-up delay"
-            self._stopping.wait(delay)
-            self.warmup.done += 1
+        else:
+            self.fill_drafts = p.shape.fill_drafts(lambda: 1.0)
+        if p.shape.needs_drift and p.manifest.drift.get(p.drift_key) is None:
+            steps.append((f"drift for the exactness guard ({p.drift_key})", self._measure_drift))
+        self.warmup = Warmup(total=len(steps))
         log.info("warming %s: %d steps", self.model_id, len(steps))
         for name, step in steps:
             if self._stopping.is_set():
@@ -434,10 +413,8 @@ class Engine:
             self.warmup.done += 1
             log.info("warm-up %d/%d: %s (%.2fs)", self.warmup.done, self.warmup.total, name,
                      time.perf_counter() - t0)
-        paced = (_PacedPipeline(p, self.config.test_pass_delay_seconds)
-                 if self.config.test_pass_delay_seconds else p)
         self.session = DecodeSession(
-            paced, drafter=NgramDrafter(ngram_min=self.config.ngram_min,
+            p, drafter=NgramDrafter(ngram_min=self.config.ngram_min,
                                         ngram_max=self.config.ngram_max),
             fill_drafts=self.fill_drafts)
         self.slots = SlotManager(p, self.kv_slots, self.spill_bytes, self.metrics.slot_event,
@@ -484,10 +461,10 @@ class Engine:
 
     def _measure_policy(self) -> None:
         policy = draft_policy(self.pipeline)
-        self.fill_drafts = policy.fill
+        self.fill_drafts = self.pipeline.shape.fill_drafts(lambda: policy.ratio)
         log.info("pass cost T=1 %.1f ms, T=4 %.1f ms (ratio %.2f): %s", 1000 * policy.t1_seconds,
                  1000 * policy.t4_seconds, policy.ratio,
-                 "fill every draft slot" if policy.fill else "draft only confident tokens")
+                 "fill every draft slot" if self.fill_drafts else "draft only confident tokens")
 
     def _measure_drift(self) -> None:
         p = self.pipeline
@@ -501,11 +478,15 @@ class Engine:
                         "again at every start", exc)
 
 
-def load_engine(config: ServeConfig, metrics: Metrics | None = None) -> Engine:
+def load_pipeline(config: ServeConfig) -> ShardPipeline:
     """Load and (with config.verify) hash-check the build and load its programs; raises
-    AneSpecError with a readable message when that fails. Warm-up starts with `Engine.start`."""
+    AneSpecError with a readable message when that fails."""
     log.info("loading %s (%s%s)", config.manifest, config.backend,
              f", {config.precision}" if config.backend == "mil" else "")
-    _, pipeline = open_pipeline(config.manifest, config.backend, config.precision,
-                                verify=config.verify, decode_shape=config.decode_shape)
-    return Engine(config, pipeline, metrics)
+    return open_pipeline(config.manifest, config.backend, config.precision,
+                         verify=config.verify, decode_shape=config.decode_shape)[1]
+
+
+def load_engine(config: ServeConfig, metrics: Metrics | None = None) -> Engine:
+    """The build's engine (see `load_pipeline`). Warm-up starts with `Engine.start`."""
+    return Engine(config, load_pipeline(config), metrics)

@@ -215,20 +215,22 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
     async def apply_template(request: Request) -> Response:
         """The chat's prompt text, as /v1/chat/completions renders it (same template, same
         BOS/EOS texts)."""
-        from ane_spec.daemon.tools import template_messages
+        from ane_spec.daemon.tool_formats import PHI4, tool_format_of
         from ane_spec.decode.grammar import GrammarError
         from ane_spec.errors import AneSpecError
         from ane_spec.model.chat import render_chat
 
         def render(body: ChatCompletionRequest) -> str:
-            messages = template_messages(body.messages, body.tools if body.uses_tools else None,
-                                         engine.grammars.limits)
             tok = engine.tokenizer
+            fmt = tool_format_of(tok.data.chat_template, tok.markup_ids, tok.id_of) or PHI4
+            given = fmt.template_input(body.messages, body.tools if body.uses_tools else None,
+                                       engine.grammars.limits)
 
             def text(token: int | None) -> str:
                 return "<|endoftext|>" if token is None else tok.token_text(token)
 
-            return render_chat(messages, template=tok.data.chat_template,
+            return render_chat(given.messages, template=tok.data.chat_template,
+                               tools=given.tools, extra=given.extra,
                                eos_token=text(tok.eos_token_id), bos_token=text(tok.bos_token_id))
 
         try:

@@ -119,12 +119,13 @@ def serve(config: ServeConfig) -> int:
 
 class BackgroundServer:
     """The daemon on a thread of this process, on `config.port` (0: a free port). Use as a
-    context manager; `url` is e.g. http://127.0.0.1:53211."""
+    context manager; `url` is e.g. http://127.0.0.1:53211. `engine`: one already made from
+    `config` (default: `load_engine(config)`)."""
 
-    def __init__(self, config: ServeConfig, *, quiet: bool = True):
+    def __init__(self, config: ServeConfig, *, quiet: bool = True, engine: Engine | None = None):
         self.config = config
         self.quiet = quiet
-        self.engine: Engine | None = None
+        self.engine: Engine | None = engine
         self.server = None
         self.thread: threading.Thread | None = None
         self.port: int | None = None
@@ -136,7 +137,8 @@ class BackgroundServer:
         return f"http://{host}:{self.port}"
 
     def start(self, timeout: float = 60.0) -> "BackgroundServer":
-        self.engine = load_engine(self.config)
+        if self.engine is None:
+            self.engine = load_engine(self.config)
         log_config = {"version": 1, "disable_existing_loggers": False} if self.quiet else None
         self.server = _uvicorn_server(self.config, self.engine, log_config=log_config)
         self.thread = threading.Thread(target=self.server.run, name="ane-spec-uvicorn",

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from ane_spec.daemon.protocol import ChatMessage, NamedToolChoice, Tool, tool_call_delta
@@ -64,7 +65,7 @@ def template_messages(messages: list[ChatMessage], tools: list[Tool] | None,
             role = TOOL_RESPONSE_ROLE
         elif role == "assistant" and m.tool_calls:
             calls = [{"name": c.function.name,
-                      "arguments": _arguments(c.function.arguments, limits)}
+                      "arguments": parsed_arguments(c.function.arguments, limits)}
                      for c in m.tool_calls]
             content = [content, Markup(TOOL_CALL), json.dumps(calls, ensure_ascii=False),
                        Markup(TOOL_CALL_END)]
@@ -78,7 +79,7 @@ def template_messages(messages: list[ChatMessage], tools: list[Tool] | None,
     return out
 
 
-def _arguments(text: str, limits: GrammarLimits) -> Any:
+def parsed_arguments(text: str, limits: GrammarLimits) -> Any:
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
@@ -109,11 +110,15 @@ def tool_call_grammar(tools: list[Tool], choice: str | NamedToolChoice | None,
         calls["maxItems"] = 1
     call = f"call: {TOOL_CALL} %json {json.dumps(tighten(calls))} {TOOL_CALL_END}"
     if choice in (None, "auto"):
-        # Any text that does not spell the call tag in ordinary tokens (llguidance's & and ~).
-        marker = re.escape(TOOL_CALL).replace("/", "\\/")
-        text = f"/(.|\\n)+/ & ~/(.|\\n)*{marker}(.|\\n)*/"
-        return f"start: TEXT | TEXT? call\n{call}\nTEXT: {text}\n"
+        # Any text that does not spell the call tag in ordinary tokens.
+        return f"start: TEXT | TEXT? call\n{call}\nTEXT: {never_spelling(TOOL_CALL)}\n"
     return f"start: call\n{call}\n"
+
+
+def never_spelling(marker: str) -> str:
+    """A Lark terminal for text that does not contain `marker` (llguidance's & and ~)."""
+    escaped = re.escape(marker).replace("/", "\\/")
+    return f"/(.|\\n)+/ & ~/(.|\\n)*{escaped}(.|\\n)*/"
 
 
 def check_calls(calls: list[dict[str, Any]], tools: list[Tool]) -> str | None:
@@ -139,12 +144,31 @@ def check_calls(calls: list[dict[str, Any]], tools: list[Tool]) -> str | None:
     return None
 
 
-# Complete only once the value's first character has arrived, so that a piece ending between
-# ':' and an optional space cannot put that space into the streamed arguments.
-_HEADER = re.compile(
-    r'\s*[\[,]\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
-_END = re.compile(r"\s*\]")
-_CLOSE = re.compile(r"\s*\}")
+@dataclass(frozen=True)
+class CallSyntax:
+    """How a format writes its calls, for `ToolCallParser`.
+
+    `start`: the text that opens the calls, content before it (None: the output is a call when
+    its first non-space character is `{`, else all content: Llama 3). `header`: a call's start
+    through its arguments' first character (group 1: the name, a JSON string body); it is
+    complete only once that character has arrived, so that a piece ending between ':' and an
+    optional space cannot put the space into the streamed arguments. `close`: the call
+    object's own brace. `end` / `end_marker`: the end of the calls, where there is one.
+    `single`: one call per turn."""
+
+    start: str | None
+    header: re.Pattern[str]
+    close: re.Pattern[str]
+    end: re.Pattern[str] | None = None
+    end_marker: str | None = None
+    single: bool = False
+
+
+# A call's name, then the separator before its arguments' key.
+NAME = r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*'
+PHI4_SYNTAX = CallSyntax(
+    start=TOOL_CALL, header=re.compile(r'\s*[\[,]\s*\{\s*' + NAME + r'"arguments"\s*:\s*(?=\S)'),
+    close=re.compile(r"\s*\}"), end=re.compile(r"\s*\]"), end_marker=TOOL_CALL_END)
 
 
 class ToolCallParser:
@@ -153,27 +177,35 @@ class ToolCallParser:
 
     The calls' text is `[{"name": "f", "arguments": {...}}, ...]` (the grammar fixes the key
     order); each call's arguments are streamed as the exact substring the model wrote, so the
-    deltas of a stream concatenate to the arguments of the same output parsed whole.
+    deltas of a stream concatenate to the arguments of the same output parsed whole. A call
+    exists once its name is whole and its arguments have begun: output cut off before that
+    (max_tokens) has no call, output cut inside the arguments has a call whose arguments are
+    truncated, as OpenAI returns one.
     """
 
-    def __init__(self) -> None:
-        self._content = StopMatcher([TOOL_CALL])  # content, held back at a partial marker
+    def __init__(self, syntax: CallSyntax = PHI4_SYNTAX) -> None:
+        self.syntax = syntax
+        # Content, held back at a partial start marker (or, for Llama 3, leading whitespace).
+        self._content: StopMatcher | _LeadingBrace = (
+            _LeadingBrace() if syntax.start is None else StopMatcher([syntax.start]))
         self._done = False
         self._call_text = ""
         self._pos = 0           # cursor into _call_text
         self._state = "header"  # -> "arguments" -> "close" -> "header" ...
         self._depth = 0         # nesting depth inside a call's arguments
         self._in_string = self._escaped = False
+        self._closed = 0        # calls whose arguments are whole
         self.calls: list[dict[str, Any]] = []  # {"id", "type", "function": {name, arguments}}
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        """(content to show, tool-call deltas) for this piece of text."""
+        """(content to show, tool-call deltas: one per call index) for this piece of text."""
         if self._done or not text:
             return "", []
-        if not self._content.stopped:  # before <|tool_call|>
+        if not self._content.stopped:  # before the calls' start
             content = self._content.push(text)
-            return content, self._scan(self._content.tail) if self._content.stopped else []
-        return "", self._scan(text)
+            return content, (_one_per_index(self._scan(self._content.tail))
+                             if self._content.stopped else [])
+        return "", _one_per_index(self._scan(text))
 
     def finish(self) -> str:
         """Content still held back at the end of the stream."""
@@ -181,16 +213,23 @@ class ToolCallParser:
 
     @property
     def complete(self) -> bool:
-        """Whether a whole call list (through its closing bracket) was read."""
+        """Whether the calls were read whole (Phi-4-mini: through the list's closing bracket)."""
+        if self.syntax.end is None and not self.syntax.single:
+            return bool(self.calls) and self._closed == len(self.calls)
         return self._done and bool(self.calls)
+
+    @property
+    def whole_calls(self) -> list[dict[str, Any]]:
+        """The calls whose arguments are complete (all but a call cut off inside them)."""
+        return self.calls[:self._closed]
 
     def _scan(self, text: str) -> list[dict[str, Any]]:
         self._call_text += text
         deltas: list[dict[str, Any]] = []
-        s = self._call_text
+        s, syntax = self._call_text, self.syntax
         while not self._done:
             if self._state == "header":  # a call's start, or the list's end
-                m = _HEADER.match(s, self._pos)
+                m = syntax.header.match(s, self._pos)
                 if m:
                     name = json.loads(f'"{m.group(1)}"')
                     call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
@@ -199,7 +238,8 @@ class ToolCallParser:
                     deltas.append(tool_call_delta(len(self.calls) - 1, call["id"], name, ""))
                     self._pos, self._depth, self._state = m.end(), 0, "arguments"
                     continue
-                if (self.calls and _END.match(s, self._pos)) or TOOL_CALL_END in s[self._pos:]:
+                if (self.calls and syntax.end is not None and syntax.end.match(s, self._pos)) \
+                        or (syntax.end_marker is not None and syntax.end_marker in s[self._pos:]):
                     self._done = True
                 break
             if self._state == "arguments":
@@ -214,10 +254,12 @@ class ToolCallParser:
                 if self._state == "arguments":
                     break
                 continue
-            close = _CLOSE.match(s, self._pos)  # the call object's own brace
+            close = syntax.close.match(s, self._pos)  # the call object's own brace
+            self._closed = len(self.calls)
             if not close:
                 break
             self._pos, self._state = close.end(), "header"
+            self._done = syntax.single
         return deltas
 
     def _step(self, ch: str) -> None:
@@ -237,3 +279,45 @@ class ToolCallParser:
             self._depth -= 1
             if self._depth == 0:
                 self._state = "close"
+
+
+class _LeadingBrace:
+    """Llama 3's calls have no start marker: the output is a call when its first non-space
+    character is `{` (llama.cpp's trigger pattern, anchored at the output's start), and all
+    content otherwise. The `StopMatcher` interface `ToolCallParser` reads."""
+
+    def __init__(self) -> None:
+        self.held, self.tail = "", ""
+        self.stopped = self._text = False
+
+    def push(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        if self._text:
+            return text
+        self.held += text
+        rest = self.held.lstrip()
+        if not rest:
+            return ""
+        if rest[0] == "{":
+            self.stopped, self.tail, self.held = True, self.held, ""
+            return ""
+        self._text, out, self.held = True, self.held, ""
+        return out
+
+    def flush(self) -> str:
+        out, self.held = ("" if self.stopped else self.held), ""
+        return out
+
+
+def _one_per_index(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A call's deltas from one piece of text merged into one entry (its header then its
+    arguments), as OpenAI and llama-server send them: a client reading `tool_calls[0]` of a
+    chunk must not lose the arguments that came with the name."""
+    merged: list[dict[str, Any]] = []
+    for d in deltas:
+        if merged and merged[-1]["index"] == d["index"]:
+            merged[-1]["function"]["arguments"] += d["function"]["arguments"]
+        else:
+            merged.append(d)
+    return merged

@@ -1,7 +1,7 @@
 """How much a 4-token pass costs next to a 1-token pass, measured once per process.
 
-Only the mixed decode shape asks: in the fixed shape every pass is 4 rows wide, so every empty
-draft slot is wasted and drafts are always filled. On the ANE a T=4 pass costs about what a T=1 pass costs (68.7 tok/s prefill at T=4 against
+Only a decode shape whose passes vary in width asks (`DecodeShapePolicy.fill_drafts` decides). On
+the ANE a T=4 pass costs about what a T=1 pass costs (68.7 tok/s prefill at T=4 against
 16.7-17.8 tok/s decode at T=1), so every empty draft slot is a free guess thrown away: fill the
 block. On a CPU backend a T=4 pass can cost much more, so only confident drafts are worth it.
 """
@@ -13,8 +13,6 @@ from dataclasses import dataclass
 
 from ane_spec.runtime.pipeline import ShardPipeline
 
-# Below this c(T=4)/c(T=1) the extra rows are close enough to free that guessing pays.
-FILL_BELOW_RATIO = 1.5
 _REPS = 3
 
 
@@ -26,10 +24,6 @@ class DraftPolicy:
     @property
     def ratio(self) -> float:
         return self.t4_seconds / self.t1_seconds if self.t1_seconds > 0 else 1.0
-
-    @property
-    def fill(self) -> bool:
-        return self.ratio <= FILL_BELOW_RATIO
 
 
 def measure_pass_costs(pipeline: ShardPipeline, reps: int = _REPS) -> DraftPolicy:

@@ -27,6 +27,7 @@ import numpy as np
 from ane_spec.decode.json_tightening import tighten
 from ane_spec.errors import AneSpecError
 from ane_spec.model.tokenizer import Tokenizer
+from ane_spec.runtime.row_keys import EXCLUDED
 
 # Compact JSON with at most one space after ',' and ':' (the shape json.dumps writes, which is
 # what Phi-4-mini saw in training), and none elsewhere: a weak model cannot wander into
@@ -153,6 +154,21 @@ class GrammarState:
         np.copyto(logits[: self.vocab], -np.inf, where=~self.mask())
         logits[self.vocab:] = -np.inf
         return logits
+
+    def allows_ids(self, ids: np.ndarray) -> np.ndarray:
+        """bool per id: whether the grammar allows it next (ids past its vocabulary: never)."""
+        inside = ids < self.vocab
+        allowed = np.zeros(len(ids), dtype=bool)
+        allowed[inside] = self.mask()[ids[inside]]
+        return allowed
+
+    def exclude(self, keys: np.ndarray) -> np.ndarray:
+        """Forbidden tokens' `row_keys` keys set to EXCLUDED (0), in place: the key row's
+        counterpart of `apply`, one integer multiply by the 0/1 mask."""
+        allowed = self.mask().view(np.uint8)
+        np.multiply(keys[: self.vocab], allowed, out=keys[: self.vocab])
+        keys[self.vocab:] = EXCLUDED
+        return keys
 
     def advance(self, token: int) -> None:
         if not self._matcher.consume_token(int(token)):

@@ -18,7 +18,7 @@ last): top-p and min-p see the tempered distribution, as they did here before.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -61,9 +61,19 @@ class SamplingParams(BaseModel):
                                            or self.frequency_penalty != 0.0)
 
     @property
+    def logit_edits(self) -> list[str]:
+        """The fields whose processors move logits, in the processors' order (top-k/top-p/min-p
+        never move the argmax)."""
+        names = [n for n, on in (("logit_bias", bool(self.logit_bias)),
+                                 ("ignore_eos", self.ignore_eos)) if on]
+        if self.penalized:
+            names += [n for n, off in (("repeat_penalty", 1.0), ("presence_penalty", 0.0),
+                                       ("frequency_penalty", 0.0)) if getattr(self, n) != off]
+        return names
+
+    @property
     def edits_logits(self) -> bool:
-        """Whether any processor moves logits (top-k/top-p/min-p never move the argmax)."""
-        return self.penalized or bool(self.logit_bias) or self.ignore_eos
+        return bool(self.logit_edits)
 
 
 class LogitProcessor:
@@ -83,22 +93,41 @@ class LogitProcessor:
     def apply(self, logits: np.ndarray, recent: Sequence[int]) -> np.ndarray:
         """`recent`: the last `window` tokens before this row (prompt included, as llama-server
         feeds the prompt to its penalties sampler)."""
-        p = self.params
         z = np.array(logits, dtype=np.float32)
-        if len(self.bias_ids):
-            np.add.at(z, self.bias_ids, self.bias_values)
+        ids, values = self.edits(lambda ids: z[ids], recent)
+        z[ids] = values
+        return z
+
+    def edits(self, values_at: Callable[[np.ndarray], np.ndarray],
+              recent: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The processors as (ids, new float32 logits): every other logit is left as it is.
+        `values_at(ids)` reads the row's logits there. The few ids they touch (the bias, the
+        end-of-generation ids, the window's distinct tokens) are all that is read or computed,
+        with the same float32 operations `apply` does on the whole row."""
+        p = self.params
+        parts = [self.bias_ids]
         if p.ignore_eos:
-            z[self.eog_ids] = -np.inf
+            parts.append(self.eog_ids)
+        window = counts = None
         if p.penalized and len(recent):
-            window = np.fromiter(recent, dtype=np.int64, count=len(recent))[-p.repeat_last_n:]
-            ids, counts = np.unique(window, return_counts=True)
-            v = z[ids]
+            window, counts = np.unique(np.fromiter(recent, dtype=np.int64, count=len(recent))
+                                       [-p.repeat_last_n:], return_counts=True)
+            parts.append(window)
+        ids = np.unique(np.concatenate(parts))
+        z = np.asarray(values_at(ids), dtype=np.float32).copy()
+        if len(self.bias_ids):
+            np.add.at(z, np.searchsorted(ids, self.bias_ids), self.bias_values)
+        if p.ignore_eos:
+            z[np.searchsorted(ids, self.eog_ids)] = -np.inf
+        if window is not None:
+            at = np.searchsorted(ids, window)
+            v = z[at]
             # llama.cpp's penalties sampler: divide a positive logit, multiply a negative one
             # (dividing would make it likelier), then subtract the OpenAI-style penalties.
             v = np.where(v <= 0, v * p.repeat_penalty, v / p.repeat_penalty)
             v -= counts.astype(np.float32) * p.frequency_penalty + p.presence_penalty
-            z[ids] = v
-        return z
+            z[at] = v
+        return ids, z
 
 
 def target_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

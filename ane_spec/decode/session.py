@@ -37,8 +37,6 @@ from ane_spec.runtime.pipeline import BlockOutput, PipelineState, ShardPipeline
 
 FinishReason = Literal["stop", "length", "context", "cancelled"]
 MAX_DRAFT = 3
-# Two logits that may each move by `drift` can swap when their gap is under 2 * drift.
-GUARD_FACTOR = 2.0
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -62,6 +60,32 @@ class GenerateOptions(BaseModel):
     grammar: Grammar | None = None  # output constrained to it (masked per verified row)
     logprobs: int | None = Field(None, ge=0, le=20)  # top-n alternatives per generated token
     special_text: bool = False  # render CONTROL tokens (<|tool_call|>) in the text
+
+
+class NeedsLogits(AneSpecError):
+    """Options that an LM head emitting only each row's argmax (--head-argmax) cannot serve;
+    `param` names the request parameter that asked for logits."""
+
+    WHAT = {"temperature": "sampling (or use temperature 0)", "grammar": "a grammar"}
+
+    def __init__(self, param: str):
+        super().__init__(f"this build's LM head emits only argmax (--head-argmax), so it cannot "
+                         f"do {self.WHAT.get(param, param)}: rebuild without it")
+        self.param = param
+
+
+def needs_logits(options: GenerateOptions) -> NeedsLogits | None:
+    """The one decision of what an argmax-only head refuses: anything but plain greedy choice."""
+    sampling = options.sampling
+    if not sampling.greedy:
+        return NeedsLogits("temperature")
+    if options.logprobs is not None:
+        return NeedsLogits("logprobs")
+    if sampling.logit_edits:
+        return NeedsLogits(sampling.logit_edits[0])
+    if options.grammar is not None:
+        return NeedsLogits("grammar")
+    return None
 
 
 @dataclass
@@ -90,8 +114,7 @@ class DecodeSession:
     pipeline: ShardPipeline
     drafter: Drafter = field(default_factory=NgramDrafter)
     trace: Trace | None = None
-    # None: always fill in the fixed shape (an empty draft slot costs as much as a full one);
-    # in the mixed shape, decide from the measured pass-cost ratio.
+    # None: as the decode shape's policy decides (measuring pass costs where it needs them).
     fill_drafts: bool | None = None
 
     def __post_init__(self) -> None:
@@ -99,15 +122,13 @@ class DecodeSession:
         self.kv_tokens: list[int] = []
         self.tokenizer = self.pipeline.tokenizer
         self.eog = self.tokenizer.eog_ids
-        self.fixed_shape = self.pipeline.decode_shape == "fixed"
+        shape = self.pipeline.shape
         if self.fill_drafts is None:
             from ane_spec.decode.cost import draft_policy
 
-            self.fill_drafts = True if self.fixed_shape else draft_policy(self.pipeline).fill
-        drift = self.pipeline.manifest.drift.get(self.pipeline.drift_key)
-        # The fixed shape is exact by construction: no row of a pass needs a second opinion.
-        self.guard_margin = (None if self.fixed_shape or drift is None
-                             else GUARD_FACTOR * drift)
+            self.fill_drafts = shape.fill_drafts(lambda: draft_policy(self.pipeline).ratio)
+        self.guard_margin = shape.guard_margin(
+            self.pipeline.manifest.drift.get(self.pipeline.drift_key))
 
     # --- public ------------------------------------------------------------------------------
 
@@ -163,14 +184,9 @@ class DecodeSession:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise AneSpecError(f"token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
-        if self.pipeline.head_argmax:
-            needs = ("sampling" if not options.sampling.greedy
-                     else "logit processors" if options.sampling.edits_logits
-                     else "a grammar" if options.grammar is not None
-                     else "logprobs" if options.logprobs is not None else None)
-            if needs:
-                raise AneSpecError(f"this build's LM head emits only argmax (--head-argmax), "
-                                   f"so it cannot do {needs}: rebuild without it")
+        refusal = needs_logits(options) if self.pipeline.head_argmax else None
+        if refusal is not None:
+            raise refusal
 
     def _prefill(self, prompt: list[int], stats: RequestStats,
                  should_stop: Callable[[], bool]) -> BlockOutput | None:
@@ -225,7 +241,7 @@ class DecodeSession:
         run.stats.backend_seconds += backend
         run.stats.host_seconds += time.perf_counter() - t0 - backend
         if self.trace is not None:
-            self.trace.write(position=p, T=len(block), width=self.pipeline.pass_width(len(block)),
+            self.trace.write(position=p, T=len(block), width=self.pipeline.shape.pass_width(len(block)),
                              drafts=drafts, accepted=verdict.accepted,
                              next=verdict.next_token, guard_row=verdict.guard_row,
                              backend_ms=round(1000 * backend, 3),

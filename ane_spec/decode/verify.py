@@ -25,6 +25,7 @@ from ane_spec.decode.sampling import (
     top2_margin,
 )
 from ane_spec.runtime.pipeline import BlockOutput
+from ane_spec.runtime.row_keys import EXCLUDED
 
 
 @dataclass(frozen=True)
@@ -65,20 +66,43 @@ class RowChooser:
         return z
 
     def argmax(self, out: BlockOutput, i: int) -> int:
+        """`int(self.logits(out, i).argmax())`, first index on ties, computed without that
+        float32 row (see `_processed_argmax`)."""
         if self.plain:
             return out.row_argmax(i)
         if self.processor is None:
             # Grammar only: the unconstrained winner is the constrained one whenever the grammar
             # allows it (a masked argmax keeps the first maximum, as np.argmax does): one bit
             # test instead of a [V] mask.
-            best = out.row_argmax(i)
+            keys = out.row_keys(i)
+            best = int(keys.argmax())
             if self.grammar.allows(best):
                 return best
-        z = self.logits(out, i)
-        best = int(z.argmax())
-        if z[best] == -np.inf:  # argmax would name token 0, banned like every other
-            raise NoTokenLeft()
-        return best
+            return self._processed_argmax(out, i, keys, *_NO_EDITS)
+        ids, values = self.processor.edits(lambda at: out.row_values(i, at), self.recent or ())
+        if self.grammar is not None:
+            allowed = self.grammar.allows_ids(ids)
+            ids, values = ids[allowed], values[allowed]
+        best = out.row_argmax(i)
+        if best not in ids and (self.grammar is None or self.grammar.allows(best)):
+            # The raw winner is untouched and allowed: it is the first maximum of every token
+            # the processors leave alone, so only the edited ids can beat it.
+            return _winner(best, out.row_values(i, np.array([best]))[0], ids, values)
+        return self._processed_argmax(out, i, out.row_keys(i), ids, values)
+
+    def _processed_argmax(self, out: BlockOutput, i: int, keys: np.ndarray, ids: np.ndarray,
+                          values: np.ndarray) -> int:
+        """The processed row's argmax in two parts: the tokens no processor touches keep their
+        logits, so their best is an integer argmax over the row's order keys (`keys`, edited
+        here) with the edited (`ids`) and forbidden tokens excluded; the edited tokens the
+        grammar allows are compared by their new `values`."""
+        keys[ids] = EXCLUDED
+        if self.grammar is not None:
+            self.grammar.exclude(keys)
+        best = int(keys.argmax())
+        value = (out.row_values(i, np.array([best]))[0] if keys[best] != EXCLUDED
+                 else np.float32(-np.inf))
+        return _winner(best, value, ids, values)
 
     def distribution(self, out: BlockOutput, i: int) -> np.ndarray:
         row = out.row_logits(i) if self.plain else self.logits(out, i)
@@ -90,6 +114,21 @@ class RowChooser:
             self.recent.append(token)
         if self.grammar is not None and token not in self.eog:
             self.grammar.advance(token)
+
+
+_NO_EDITS = (np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32))
+
+
+def _winner(best: int, value: np.float32, ids: np.ndarray, values: np.ndarray) -> int:
+    """The larger of the untouched tokens' best (`best`, `value`) and the edited ones, the lower
+    id on a tie, as np.argmax of the whole processed row; NoTokenLeft when that is -inf."""
+    if len(values):
+        j = int(values.argmax())
+        if values[j] > value or (values[j] == value and ids[j] < best):
+            best, value = int(ids[j]), values[j]
+    if value == -np.inf:  # every token is banned or forbidden
+        raise NoTokenLeft()
+    return best
 
 
 def verify_greedy(drafts: list[int], out: BlockOutput, guard_margin: float | None,

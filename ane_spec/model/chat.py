@@ -98,7 +98,8 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
 
 def render_chat(messages: list[dict], *, template: str | None,
                 add_generation_prompt: bool = True, eos_token: str = "<|endoftext|>",
-                bos_token: str = "<|endoftext|>", add_bos: bool = False) -> str:
+                bos_token: str = "<|endoftext|>", add_bos: bool = False,
+                tools: list[dict] | None = None, extra: dict[str, Any] | None = None) -> str:
     """Render `messages` ({"role", "content"[, "tools"]} dicts) with `template`; a content
     given as a list of pieces (text and `Markup`) is joined.
 
@@ -106,6 +107,8 @@ def render_chat(messages: list[dict], *, template: str | None,
     With it, a system message's "tools" (a JSON string) goes between <|tool|> and <|/tool|>.
     `add_bos`: the prompt will be tokenized with BOS added (Llama 3), so a BOS the template
     writes first is dropped, as llama.cpp's common_chat_templates_apply does.
+    `tools` (OpenAI's tool list) and `extra` (more template variables) are passed to the
+    template as llama.cpp's common_chat_templates_apply passes them (Llama 3, Qwen templates).
     Template syntax errors and errors while rendering (a non-string content where the template
     concatenates, a `raise_exception` call, a sandbox violation) become `TokenizerError`.
     """
@@ -119,8 +122,11 @@ def render_chat(messages: list[dict], *, template: str | None,
     except TemplateSyntaxError as exc:
         raise TokenizerError(f"the chat template does not parse: {exc}") from None
     try:
+        variables = dict(extra or {})
+        if tools is not None:
+            variables["tools"] = tools
         text = compiled.render(messages=msgs, add_generation_prompt=add_generation_prompt,
-                               eos_token=eos_token, bos_token=bos_token)
+                               eos_token=eos_token, bos_token=bos_token, **variables)
         return text[len(bos_token):] if add_bos and bos_token and text.startswith(
             bos_token) else text
     except _TemplateRaised as exc:
@@ -132,11 +138,14 @@ def render_chat(messages: list[dict], *, template: str | None,
 
 def render_chat_pieces(messages: list[dict], *, template: str | None,
                        add_generation_prompt: bool = True, eos_token: str = "<|endoftext|>",
-                       bos_token: str = "<|endoftext|>", add_bos: bool = False
+                       bos_token: str = "<|endoftext|>", add_bos: bool = False,
+                       tools: list[dict] | None = None, extra: dict[str, Any] | None = None
                        ) -> list[tuple[str, bool]]:
-    """`render_chat`'s prompt as (text, is_markup) pieces. Each message's "content" and "tools"
-    is text (a plain str, or a list of str and `Markup`); everything the template adds around
-    them is markup.
+    """`render_chat`'s prompt as (text, is_markup) pieces. Each message's "content", "tools"
+    and "reasoning_content" is text (a plain str, or a list of str and `Markup`); so is every
+    string inside a message's "tool_calls" and inside `tools` (names, descriptions, schemas,
+    arguments: the client's words, which templates write with `tojson` or `+`); everything the
+    template adds around them is markup.
 
     The template is rendered with each text piece wrapped in unguessable markers, and once
     without; the markers must come out intact and the two renders agree once they are removed
@@ -160,11 +169,33 @@ def render_chat_pieces(messages: list[dict], *, template: str | None,
             out.append(f"{lead}{start}{core}{end}{piece[len(lead) + len(core):]}")
         return "".join(out)
 
+    def deep(value: Any) -> Any:
+        # Structural keys ("name", "function", ...) are read by the template and stay as they
+        # are; only the leaves and the keys of schemas and arguments are the client's text.
+        if isinstance(value, str):
+            return marked(value)
+        if isinstance(value, list):
+            return [deep(v) for v in value]
+        if isinstance(value, dict):
+            return {k: (deep_all(v) if k in ("parameters", "arguments") else deep(v))
+                    for k, v in value.items()}
+        return value
+
+    def deep_all(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {marked(k) if isinstance(k, str) else k: deep_all(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [deep_all(v) for v in value]
+        return marked(value) if isinstance(value, str) else value
+
     kw = dict(template=template, add_generation_prompt=add_generation_prompt,
-              eos_token=eos_token, bos_token=bos_token, add_bos=add_bos)
-    plain = render_chat(messages, **kw)
-    wrapped = render_chat([m | {k: marked(m[k]) for k in ("content", "tools")
-                                if m.get(k) is not None} for m in messages], **kw)
+              eos_token=eos_token, bos_token=bos_token, add_bos=add_bos, extra=extra)
+    plain = render_chat(messages, tools=tools, **kw)
+    texts = ("content", "tools", "reasoning_content")
+    wrapped = render_chat([m | {k: marked(m[k]) for k in texts if m.get(k) is not None}
+                           | ({"tool_calls": deep(m["tool_calls"])} if m.get("tool_calls")
+                              else {})
+                           for m in messages], tools=None if tools is None else deep(tools), **kw)
     pieces: list[tuple[str, bool]] = []
     rest = wrapped
     while rest:

@@ -612,18 +612,21 @@ class Tokenizer:
                                      else self._user_defined_ids) if text else [])
         return self._encode_fragments(fragments, add_special)
 
-    def encode_pieces(self, pieces: Iterable[tuple[str, bool]], *,
-                      add_special: bool = False) -> list[int]:
+    def encode_pieces(self, pieces: Iterable[tuple[str, bool]], *, add_special: bool = False,
+                      not_in_text: Iterable[int] = ()) -> list[int]:
         """Token ids for the concatenation of `pieces`, each (text, is_markup): special tokens
         are recognised only in markup pieces, never in the others (no `<|...|>` token at all,
-        USER_DEFINED or not). Text that spells no special token tokenizes exactly as the whole
-        string would with `encode(..., special=True)`: words are split and merged across piece
+        USER_DEFINED or not, nor the USER_DEFINED ones in `not_in_text`: a tool-call format's
+        own tags). Text that spells no special token tokenizes exactly as the whole string
+        would with `encode(..., special=True)`: words are split and merged across piece
         boundaries as usual."""
+        excluded = frozenset(not_in_text)
+        text_ids = [i for i in self._plain_text_ids if i not in excluded]
         fragments: list[int | str] = []
         for text, markup in pieces:
             if not text:
                 continue
-            ids = self._special_ids if markup else self._plain_text_ids
+            ids = self._special_ids if markup else text_ids
             for f in self._partition(_clean(text), ids):
                 if isinstance(f, str) and fragments and isinstance(fragments[-1], str):
                     fragments[-1] += f

@@ -34,6 +34,11 @@ from functools import lru_cache
 
 from ane_spec.errors import TokenizerError
 from ane_spec.model.chat import PHI4_MINI_CHAT_TEMPLATE
+from ane_spec.model.chat_templates import (
+    LLAMA32_CHAT_TEMPLATE,
+    QWEN3_CHAT_TEMPLATE,
+    QWEN25_CHAT_TEMPLATE,
+)
 from ane_spec.model.tokenizer import (
     GPT4O_PATTERN,
     TOKEN_CONTROL,
@@ -243,15 +248,8 @@ QWEN_SPECIALS = (("<|endoftext|>", TOKEN_CONTROL), ("<|im_start|>", TOKEN_CONTRO
 QWEN3_EXTRA = (("<tool_response>", TOKEN_USER_DEFINED), ("</tool_response>", TOKEN_USER_DEFINED),
                ("<think>", TOKEN_USER_DEFINED), ("</think>", TOKEN_USER_DEFINED))
 
-LLAMA3_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
-    "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
-    "{% endif %}")
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
-    "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|im_start|>assistant\n' }}{% endif %}")
+# The released models' own templates, tool sections included (chat_templates.py).
+CHAT_TEMPLATES = {"qwen2": QWEN25_CHAT_TEMPLATE, "qwen3": QWEN3_CHAT_TEMPLATE}
 
 
 def family_layout(family: str, trained_merges: Iterable[tuple[str, str]],
@@ -288,11 +286,11 @@ def family_layout(family: str, trained_merges: Iterable[tuple[str, str]],
             model="gpt2", pre="llama-bpe", tokens=tokens, token_types=types, merges=merges,
             bos_token_id=ids["<|begin_of_text|>"], eos_token_id=ids["<|eot_id|>"],
             unknown_token_id=None, padding_token_id=None, add_bos_token=True,
-            chat_template=LLAMA3_CHAT_TEMPLATE)
+            chat_template=LLAMA32_CHAT_TEMPLATE)
     return TokenizerData(
         model="gpt2", pre="qwen2", tokens=tokens, token_types=types, merges=merges,
         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], unknown_token_id=None,
-        padding_token_id=ids["<|endoftext|>"], add_bos_token=False, chat_template=CHATML_TEMPLATE)
+        padding_token_id=ids["<|endoftext|>"], add_bos_token=False, chat_template=CHAT_TEMPLATES[family])
 
 
 def build_trained_vocab(texts: Iterable[str], vocab_size: int) -> TokenizerData:

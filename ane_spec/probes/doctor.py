@@ -36,12 +36,8 @@ from ane_spec.ane_limits import SMALL_MAC_BYTES
 from ane_spec.manifests.store import LoadedManifest, load_manifest
 from ane_spec.peak_memory import peak_rss_bytes
 from ane_spec.probes.report import GateReport
-from ane_spec.runtime.backend import (
-    RESHAPE_FREQUENCY_FOR_DECODE_SHAPE,
-    BackendUnavailable,
-    check_decode_shape,
-    make_backend,
-)
+from ane_spec.runtime.backend import BackendUnavailable, make_backend
+from ane_spec.runtime.decode_shape import DecodeShapePolicy, check_decode_shape
 from ane_spec.runtime.state_budget import ANE_PROCESS_BYTES, slot_budget
 
 Status = Literal["passed", "failed", "skipped"]
@@ -99,7 +95,7 @@ class DoctorRun:
 
     @property
     def reshape_frequency(self) -> str:
-        return RESHAPE_FREQUENCY_FOR_DECODE_SHAPE[self.decode_shape]
+        return DecodeShapePolicy(self.decode_shape).reshape_frequency
 
     @cached_property
     def coreml_problem(self) -> str | None:
@@ -323,7 +319,7 @@ def check_cold_jit(run: DoctorRun) -> Verdict:
     load_s = time.perf_counter() - t0
     labels = [label for label, _, _ in run.packages()]
     first: dict[str, dict[str, float]] = {label: {} for label in labels}
-    for width in pipeline.jit_widths:
+    for width in pipeline.shape.jit_widths:
         state = pipeline.new_state()
         inputs = pipeline.host.block(0, width)
         hidden = jit_rows(pipeline, width)

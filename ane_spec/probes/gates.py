@@ -15,7 +15,8 @@ from ane_spec.probes.overflow import run_overflow
 from ane_spec.probes.parity import run_parity
 from ane_spec.probes.report import GateReport, save_report
 from ane_spec.probes.row_invariance import run_row_invariance
-from ane_spec.runtime.backend import BackendName, DecodeShape, Precision, make_backend
+from ane_spec.runtime.backend import BackendName, Precision, make_backend
+from ane_spec.runtime.decode_shape import DecodeShape
 from ane_spec.runtime.pipeline import ShardPipeline
 
 # Row invariance first: on new hardware it is the property everything exact rests on; overflow

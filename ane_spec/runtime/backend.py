@@ -14,25 +14,10 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 
 from ane_spec.errors import AneSpecError
+from ane_spec.runtime.decode_shape import DecodeShape, DecodeShapePolicy
 
 BackendName = Literal["mil", "coreml"]
 Precision = Literal["fp32", "fp16"]
-# How wide decoding passes are (see runtime/pipeline.py): fixed, every pass T=4; mixed, T=1 decode
-# and T=4 verify.
-DecodeShape = Literal["fixed", "mixed"]
-DECODE_SHAPES: tuple[DecodeShape, ...] = ("fixed", "mixed")
-# Core ML's reshapeFrequency hint, per decode shape: the fixed shape runs every pass at T=4, one
-# shape for the program's lifetime; the mixed shape alternates T=1 and T=4.
-ReshapeFrequency = Literal["Infrequent", "Frequent"]
-RESHAPE_FREQUENCIES: tuple[ReshapeFrequency, ...] = ("Infrequent", "Frequent")
-RESHAPE_FREQUENCY_FOR_DECODE_SHAPE: dict[DecodeShape, ReshapeFrequency] = {
-    "fixed": "Infrequent", "mixed": "Frequent"}
-
-
-def check_decode_shape(decode_shape: str) -> None:
-    if decode_shape not in DECODE_SHAPES:
-        raise AneSpecError(f"unknown decode shape '{decode_shape}' (choose "
-                           f"{' or '.join(DECODE_SHAPES)})")
 
 
 class BackendUnavailable(AneSpecError):
@@ -72,7 +57,7 @@ class Backend(Protocol):
 
 def make_backend(name: BackendName, *, precision: Precision = "fp32",
                  compute_units: str = "CPU_AND_NE", decode_shape: DecodeShape = "fixed") -> Backend:
-    check_decode_shape(decode_shape)
+    shape = DecodeShapePolicy(decode_shape)
     if name == "mil":
         from ane_spec.runtime.mil_backend import MILBackend
 
@@ -81,7 +66,7 @@ def make_backend(name: BackendName, *, precision: Precision = "fp32",
         from ane_spec.runtime.coreml_backend import CoreMLBackend
 
         return CoreMLBackend(compute_units=compute_units,
-                             reshape_frequency=RESHAPE_FREQUENCY_FOR_DECODE_SHAPE[decode_shape])
+                             reshape_frequency=shape.reshape_frequency)
     raise AneSpecError(f"unknown backend '{name}' (choose mil or coreml)")
 
 

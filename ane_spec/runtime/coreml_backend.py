@@ -16,11 +16,8 @@ from typing import Any
 import numpy as np
 
 from ane_spec.errors import AneSpecError
-from ane_spec.runtime.backend import (
-    RESHAPE_FREQUENCIES,
-    BackendUnavailable,
-    ReshapeFrequency,
-)
+from ane_spec.runtime.backend import BackendUnavailable
+from ane_spec.runtime.decode_shape import RESHAPE_FREQUENCIES, ReshapeFrequency
 from ane_spec.runtime.compiled_cache import compile_cached
 
 COMPUTE_UNITS = ("ALL", "CPU_ONLY", "CPU_AND_GPU", "CPU_AND_NE")  # coremltools.ComputeUnit names

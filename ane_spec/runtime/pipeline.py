@@ -3,13 +3,7 @@
 The manifest is the only thing read: which packages, in which layout, with which RoPE spec and
 context window. A `PipelineState` holds one backend state per shard, i.e. one conversation.
 
-The decode shape decides how wide every pass is:
-- `fixed` (default): every pass computes T_max = 4 rows, whatever it carries; short blocks are
-  padded with rows that write nothing. A token's arithmetic then never depends on how the decoder
-  batched it, so on a row-invariant backend (`probe row-invariance`) speculative decoding equals
-  greedy decoding bitwise, in fp16 too.
-- `mixed`: a pass is as wide as its tokens (T=1 decode, T=4 verify). Cheaper where a T=1 pass
-  costs much less than a T=4 one, but T=1 and T=4 round differently, so in fp16 it is only close.
+The decode shape (`decode_shape.DecodeShapePolicy`) decides how wide every pass is.
 """
 
 from __future__ import annotations
@@ -26,9 +20,11 @@ from ane_spec.ane_limits import q8_block_refusal
 
 from ane_spec.errors import AneSpecError
 from ane_spec.manifests.store import LoadedManifest
-from ane_spec.runtime.backend import Backend, DecodeShape, LoadedProgram, check_decode_shape
+from ane_spec.runtime.backend import Backend, LoadedProgram
+from ane_spec.runtime.decode_shape import DecodeShape, DecodeShapePolicy
 from ane_spec.runtime.fp16_argmax import NonFiniteLogits, argmax, chunked_argmax, require_finite
 from ane_spec.runtime.host_inputs import HostInputs
+from ane_spec.runtime.row_keys import finite_key_range, unsigned_keys
 
 
 @dataclass
@@ -53,11 +49,15 @@ class BlockOutput:
 
     def __init__(self, rows: int, read_row: Callable[[int], np.ndarray] | None, *,
                  argmax_row: Callable[[int], int] | None = None,
+                 read_native: Callable[[int], np.ndarray] | None = None,
+                 values_at: Callable[[int, np.ndarray], np.ndarray] | None = None,
                  argmax: np.ndarray | None = None, max_logit: np.ndarray | None = None,
                  backend_seconds: float = 0.0, host_seconds: float = 0.0):
         self.rows = rows
         self._read_row = read_row
         self._argmax_row = argmax_row
+        self._read_native = read_native
+        self._values_at = values_at
         self._logits: dict[int, np.ndarray] = {}
         self._argmax = {} if argmax is None else dict(enumerate(int(a) for a in argmax))
         self._max_logit = None if max_logit is None else np.asarray(max_logit)
@@ -98,6 +98,28 @@ class BlockOutput:
             except NonFiniteLogits:
                 raise NonFiniteLogits(f"row {i} of the pass") from None
         return self._argmax[i]
+
+    def row_keys(self, i: int) -> np.ndarray:
+        """Row i as `row_keys.unsigned_keys` (a new array, the caller's to edit), from the head's
+        own dtype where it can: no float32 copy of the row."""
+        i = range(self.rows)[i]
+        if i in self._logits or self._read_native is None:
+            return unsigned_keys(self.row_logits(i))  # row_logits refuses non-finite rows
+        native = self._read_native(i)
+        keys = unsigned_keys(native)
+        # The NaN rule (fp16_argmax): NaN and inf keys lie outside the finite values' key range,
+        # so two integer reductions check the row without a float pass over it.
+        low, high = finite_key_range(native.dtype)
+        if keys.size and (keys.min() < low or keys.max() > high):
+            raise NonFiniteLogits(f"row {i} of the pass")
+        return keys
+
+    def row_values(self, i: int, ids: np.ndarray) -> np.ndarray:
+        """Row i's logits at `ids` (float32), without reading the whole row."""
+        i = range(self.rows)[i]
+        if i in self._logits or self._values_at is None:
+            return self.row_logits(i)[ids]
+        return self._values_at(i, ids)
 
     @property
     def logits(self) -> np.ndarray | None:
@@ -153,12 +175,12 @@ class ShardPipeline:
     measurements: dict[str, Any] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
-        check_decode_shape(self.decode_shape)
         m = self.loaded.manifest
         self.manifest = m
         self.config = m.model
         self.max_seq = m.build.max_seq
         self.max_t = m.build.t_range[1]
+        self.shape = DecodeShapePolicy(self.decode_shape, self.max_t)
         self.layout = m.build.layout
         self.head_argmax = m.head.argmax
         self.input_dtype = np.float32 if self.backend.precision == "fp32" else np.float16
@@ -178,16 +200,6 @@ class ShardPipeline:
         (`mil-fp16-fixed`, `coreml-mixed`): drift and gate results depend on all three."""
         return "-".join(x for x in (self.backend.name, self.backend.precision,
                                     self.decode_shape) if x)
-
-    def pass_width(self, t: int) -> int:
-        """Rows a pass carrying `t` tokens computes under this pipeline's decode shape."""
-        return self.max_t if self.decode_shape == "fixed" else t
-
-    @property
-    def jit_widths(self) -> list[int]:
-        """The pass widths this decode shape runs: on Core ML, one JIT specialisation per
-        program each, paid on first use."""
-        return [self.max_t] if self.decode_shape == "fixed" else sorted({1, self.max_t})
 
     @cached_property
     def tokenizer_data(self):
@@ -244,7 +256,7 @@ class ShardPipeline:
         t0 = time.perf_counter()
         if not 1 <= len(tokens) <= self.max_t:
             raise AneSpecError(f"a pass takes 1..{self.max_t} tokens, got {len(tokens)}")
-        width = self.pass_width(len(tokens)) if width is None else width
+        width = self.shape.pass_width(len(tokens)) if width is None else width
         inputs = self.host.block(position, len(tokens), width)
         padded = [*tokens, *[tokens[-1]] * (width - len(tokens))]
         return self._run(padded, inputs, state, len(tokens), t0)
@@ -284,16 +296,30 @@ class ShardPipeline:
             views = [(start, end, self.token_major(outputs[f"logits_{i}"]))  # [T, V_i], no copy
                      for i, (start, end) in enumerate(chunks)]
 
-            def read_row(r: int) -> np.ndarray:
-                row = np.empty(chunks[-1][1], dtype=np.float32)
+            def gather(r: int, dtype: np.dtype) -> np.ndarray:
+                row = np.empty(chunks[-1][1], dtype=dtype)
                 for start, end, view in views:
                     row[start:end] = view[r]
                 return row
 
+            def read_row(r: int) -> np.ndarray:
+                return gather(r, np.float32)
+
             def argmax_row(r: int) -> int:
                 return chunked_argmax([(start, view[r]) for start, _, view in views])
 
-            return BlockOutput(rows, read_row, argmax_row=argmax_row)
+            def read_native(r: int) -> np.ndarray:  # the head's dtype: no float32 copy
+                return gather(r, views[0][2].dtype)
+
+            def values_at(r: int, ids: np.ndarray) -> np.ndarray:
+                values = np.empty(len(ids), dtype=np.float32)
+                for start, end, view in views:
+                    inside = (ids >= start) & (ids < end)
+                    values[inside] = view[r][ids[inside] - start]
+                return values
+
+            return BlockOutput(rows, read_row, argmax_row=argmax_row, read_native=read_native,
+                               values_at=values_at)
         maxima = np.stack([self.from_hidden(outputs[f"max_{i}"])[:rows, 0]
                            for i in range(len(chunks))], axis=1)           # [rows, chunks]
         index = np.stack([self.from_hidden(outputs[f"argmax_{i}"])[:rows, 0]

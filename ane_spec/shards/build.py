@@ -80,8 +80,9 @@ from ane_spec.shards.weights import (
 
 # Bump when the emitted graphs change, so fingerprints stop matching and shards are rebuilt.
 # 2: finite-safe KV write and select mask; 3: RangeDim default T=4 (residency is planned at the
-# shape that runs); 4: llama, qwen2 and qwen3 layers (phi3 programs are unchanged).
-COMPILER_REVISION = 4
+# shape that runs); 4: llama, qwen2 and qwen3 layers (phi3 programs are unchanged); 5: hidden
+# slots score -32768 (-65504 overflowed `score - max` in fp16).
+COMPILER_REVISION = 5
 
 Progress = Callable[[str], None]
 

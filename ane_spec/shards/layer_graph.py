@@ -11,7 +11,7 @@ every architecture; layer_weights.py maps each family's tensors onto it. Per lay
                                               (NEOX; NORM files arrive with q/k rows reordered)
     k, v = finite(k), finite(v)               inf -> +-65504, NaN -> 0 (see below)
     K = K * (1 - rowsum(W)) + W @ k           W = kv_write_mask [1, 1, S, T]: T one-hot rows
-    s = select(visible, q K^T / sqrt(hd), -65504)   over all S slots, GQA by reshaping q's heads
+    s = select(visible, q K^T / sqrt(hd), -32768)   over all S slots, GQA by reshaping q's heads
     o = softmax(s) V
     x = x + conv(o as [head, dim, token])     the flatten order seeds/003 got wrong once
     x = x + conv(silu(g) * u), (g, u) = split(conv(rmsnorm(x)))
@@ -88,10 +88,10 @@ def rms_norm(x: Var, weight: np.ndarray, eps: float, d: int, name: str) -> Var:
     `eps` (Phi-4-mini: 1e-5) is below fp16's smallest normal (6.1e-5): stored as an fp16 const
     it is the subnormal 1.0014e-5. The fp16 interpreter keeps it (it computes each op in fp32),
     so an all-zero row normalises to 0. The ANE may flush subnormals to zero (Apple does not
-    document it); eps is then 0, and an all-zero row gives 0/sqrt(0) = NaN, which the K/V
-    scatter (0 * NaN) would spread into the cache. Real rows are unaffected (their mean(x^2) is
-    far above 1e-5), so nothing may feed all-zero rows: the pipeline pads with the last token,
-    and the probes use token embeddings."""
+    document it); eps is then 0, and an all-zero row gives 0/sqrt(0) = NaN: `finite_rows` keeps
+    it out of every other slot, but the row itself is lost. Real rows are unaffected (their
+    mean(x^2) is far above 1e-5), so nothing may feed all-zero rows: the pipeline pads with the
+    last token, and the probes use token embeddings."""
     both = mb.concat(values=[x, mb.mul(x=x, y=np.float16(-1.0))], axis=1)
     normed = mb.layer_norm(x=both, axes=[1], epsilon=np.float16(eps))
     half = mb.slice_by_index(x=normed, begin=[0, 0, 0, 0], end=[1, d, 0, 0],
@@ -131,10 +131,12 @@ def rope(x: Var, cos: Var, sin: Var, half: int, hd: int) -> Var:
 # fp16's largest finite value. Clamping to it changes no finite fp16 value, so a well-behaved
 # row's K/V are written bit for bit as before.
 FP16_MAX = np.float16(65504.0)
-# What a hidden slot's score becomes: the lowest finite fp16 value, so a row with one visible
-# slot scoring above -65504 + 17 gives every hidden slot exactly 0 weight (exp underflows), and
-# a row with none stays finite (uniform), never NaN. -inf would be NaN there (-inf - -inf).
-HIDDEN_SCORE = np.float16(-65504.0)
+# What a hidden slot's score becomes. A row whose largest visible score is above -32768 + 17
+# gives every hidden slot exactly 0 weight (fp16 exp underflows 17.3 below the row's maximum),
+# and the softmax's `score - max` stays finite for maxima below 32736 (-65504 would overflow to
+# -inf as soon as a row's maximum passed 16). A row with no visible slot stays finite (uniform),
+# never NaN, as it would be with -inf (-inf - -inf).
+HIDDEN_SCORE = np.float16(-32768.0)
 
 
 def finite_rows(rows: Var, name: str) -> Var:
@@ -159,6 +161,12 @@ def scatter_rows(state: Var, rows: Var, io: BlockInputs, name: str, clean: bool 
     return mb.add(x=mb.mul(x=state, y=io.keep), y=placed, name=name)
 
 
+def hide_slots(scores: Var, visible: Var) -> Var:
+    """Select, not add: a hidden slot's score is HIDDEN_SCORE whatever q.K gave there, inf or
+    NaN included (a rejected draft's slot may hold FP16_MAX K rows)."""
+    return mb.select(cond=visible, a=scores, b=HIDDEN_SCORE)
+
+
 def attention(q: Var, keys: Var, values: Var, io: BlockInputs, c: ModelConfig,
               fp32_softmax: bool = False, additive_mask: bool = False) -> Var:
     """Softmax attention over all S slots; returns [1, H, T, hd]."""
@@ -170,9 +178,7 @@ def attention(q: Var, keys: Var, values: Var, io: BlockInputs, c: ModelConfig,
     if additive_mask:  # the mask this compiler once had; only for the overflow probe's test
         scores = mb.add(x=scores, y=io.attn_mask)
     else:
-        # Select, not add: a hidden slot's score is HIDDEN_SCORE whatever q.K gave there, inf or
-        # NaN included (a rejected draft's slot may hold FP16_MAX K rows).
-        scores = mb.select(cond=io.visible, a=scores, b=HIDDEN_SCORE)
+        scores = hide_slots(scores, io.visible)
     if fp32_softmax:  # the island this compiler once had; only for the static check's test
         probs = mb.cast(x=stable_softmax(mb.cast(x=scores, dtype="fp32")), dtype="fp16")
     else:

@@ -1,4 +1,8 @@
-"""A drafter whose guesses a test controls, to force full accepts, partial accepts and rejections."""
+"""A drafter that proposes a known continuation, to force how many drafts a pass accepts.
+
+Tests use it to force full accepts, partial accepts and rejections; the host-overhead bench
+(scripts/bench_host_overhead.py) uses it to measure passes that read 1, 2, 3 or 4 rows.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,9 @@ from collections.abc import Sequence
 
 
 class ScriptedDrafter:
-    """Drafts from a known continuation, optionally corrupting it: a real Drafter whose
-    guesses the test controls, to force full accepts, partial accepts and rejections."""
+    """Drafts the next tokens of `continuation` (what the model will produce), the first
+    `correct` of them as they are and the rest corrupted (+1 mod `vocab`): every pass then
+    accepts min(correct, k) drafts and reads that many rows plus one."""
 
     def __init__(self, continuation: Sequence[int], correct: int, vocab: int):
         self.continuation, self.correct, self.vocab = list(continuation), correct, vocab

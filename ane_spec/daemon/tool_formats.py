@@ -1,0 +1,215 @@
+"""Each model family's tool-call format: how tools and earlier calls reach its chat template,
+the grammar its calls follow, and how its output is read back. Chosen from the GGUF's own chat
+template and vocabulary, as llama.cpp's common/chat.cpp chooses (common_chat_templates_apply_jinja):
+
+- `<tool_call>` in the template: Hermes 2 Pro / Qwen 2.5 / Qwen 3
+  (`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call);
+- `<|start_header_id|>ipython<|end_header_id|>` in the template: Llama 3.x (the whole reply is
+  one JSON object `{"name": ..., "parameters": {...}}`; llama.cpp's grammar allows one call,
+  and Meta's template renders only one per turn);
+- a `<|tool_call|>` control token (Phi-4-mini, tools.py): `<|tool_call|>[...]<|/tool_call|>`.
+
+Templates get tools and calls as llama.cpp gives them: `tools` is OpenAI's list, an assistant
+message's `tool_calls` carry arguments as parsed JSON (the templates `tojson` them), tool
+results are `tool` messages; Llama 3 gets `tools_in_user_message = false` (llama.cpp's
+common_chat_params_init_llama_3_x). Parsing follows llama.cpp's parsers
+(common_chat_parse_llama_3_1's `function_regex`, common_chat_parse_hermes_2_pro's blocks), and
+the grammars allow exactly what the parsers read, so a constrained call always parses.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ane_spec.daemon.protocol import ChatMessage, NamedToolChoice, Tool
+from ane_spec.daemon.tools import (
+    NAME,
+    NO_PARAMETERS,
+    PHI4_SYNTAX,
+    TOOL_CALL,
+    CallSyntax,
+    ToolCallParser,
+    never_spelling,
+    parsed_arguments,
+    template_messages,
+    tool_call_grammar,
+)
+from ane_spec.decode.grammar import JSON_OPTIONS
+from ane_spec.decode.grammar_limits import GrammarLimits
+from ane_spec.decode.json_tightening import tighten
+
+HERMES_CALL, HERMES_CALL_END = "<tool_call>", "</tool_call>"
+LLAMA3_IPYTHON = "<|start_header_id|>ipython<|end_header_id|>"
+
+
+@dataclass(frozen=True)
+class TemplateInput:
+    """What the chat template is rendered with: messages, `tools`, more variables."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    extra: dict[str, Any] | None = None
+
+
+class ToolFormat:
+    """One family's format. Subclasses set `name` and `syntax` and build the grammar."""
+
+    name: str
+    syntax: CallSyntax
+    # Tags that are ordinary (USER_DEFINED) tokens of the vocabulary, which message text must
+    # not produce: a call or a tool result typed into a message stays text (see tool_tag_ids).
+    tags: tuple[str, ...] = ()
+    # The template reads an assistant message's `reasoning_content` (Qwen 3), see split_thinking.
+    reasoning_field = False
+
+    def template_input(self, messages: list[ChatMessage], tools: list[Tool] | None,
+                       limits: GrammarLimits = GrammarLimits()) -> TemplateInput:
+        """Messages as llama.cpp hands them to a Jinja template (OpenAI's shape)."""
+        out: list[dict[str, Any]] = []
+        for m in messages:
+            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                       "content": m.text()}
+            if m.role == "assistant" and self.reasoning_field and "</think>" in message["content"]:
+                message.update(split_thinking(message["content"]))
+            if m.role == "assistant" and m.tool_calls:
+                message["tool_calls"] = [
+                    {"type": "function", "id": c.id or "",
+                     "function": {"name": c.function.name,
+                                  "arguments": parsed_arguments(c.function.arguments, limits)}}
+                    for c in m.tool_calls]
+            out.append(message)
+        listed = None if not tools else [t.model_dump(exclude_none=True) for t in tools]
+        return TemplateInput(out, listed, self.extra())
+
+    def extra(self) -> dict[str, Any] | None:
+        return None
+
+    def parser(self) -> ToolCallParser:
+        return ToolCallParser(self.syntax)
+
+    def grammar(self, tools: list[Tool], choice: str | NamedToolChoice | None,
+                parallel: bool | None) -> str:
+        raise NotImplementedError
+
+
+def _call_schema(tools: list[Tool], choice: str | NamedToolChoice | None,
+                 arguments_key: str) -> dict[str, Any]:
+    """One call object, `{"name": <a tool's name>, <arguments_key>: <its parameters>}`, keys
+    in that order (the parsers read them so)."""
+    if isinstance(choice, NamedToolChoice):
+        tools = [t for t in tools if t.function.name == choice.function.name]
+    return tighten({"anyOf": [{
+        "type": "object",
+        "properties": {"name": {"const": t.function.name},
+                       arguments_key: t.function.parameters or NO_PARAMETERS},
+        "required": ["name", arguments_key], "additionalProperties": False} for t in tools],
+        "x-guidance": JSON_OPTIONS})
+
+
+class Phi4Format(ToolFormat):
+    """Phi-4-mini's `<|tool_call|>[...]<|/tool_call|>` (tools.py), its template's own input."""
+
+    name = "phi4"
+    syntax = PHI4_SYNTAX
+
+    def template_input(self, messages: list[ChatMessage], tools: list[Tool] | None,
+                       limits: GrammarLimits = GrammarLimits()) -> TemplateInput:
+        return TemplateInput(template_messages(messages, tools, limits))
+
+    def grammar(self, tools: list[Tool], choice: str | NamedToolChoice | None,
+                parallel: bool | None) -> str:
+        return tool_call_grammar(tools, choice, parallel)
+
+
+def split_thinking(content: str) -> dict[str, str]:
+    """An assistant message's `<think>...</think>` as `reasoning_content`, split exactly as
+    Qwen 3's template splits it when given none. Done before rendering so that the template
+    never cuts a message's text (render_chat_pieces would refuse the prompt): clients send
+    back the think block that this server returns as content."""
+    head, _, tail = content.partition("</think>")
+    return {"reasoning_content": head.rstrip("\n").split("<think>")[-1].lstrip("\n"),
+            "content": content.split("</think>")[-1].lstrip("\n")}
+
+
+class HermesFormat(ToolFormat):
+    """Qwen 2.5 / Qwen 3 (Hermes 2 Pro): `<tool_call>\\n{"name": "f", "arguments": {...}}\\n
+    </tool_call>` per call, calls separated by a newline, as the templates render them."""
+
+    name = "hermes"
+    tags = (HERMES_CALL, HERMES_CALL_END, "<tool_response>", "</tool_response>")
+    syntax = CallSyntax(
+        start=HERMES_CALL,
+        header=re.compile(r"(?:\s*" + HERMES_CALL_END + r"\s*" + HERMES_CALL + r")?\s*\{\s*"
+                          + NAME + r'"arguments"\s*:\s*(?=\S)'),
+        close=re.compile(r"\s*\}"))
+
+    def grammar(self, tools: list[Tool], choice: str | NamedToolChoice | None,
+                parallel: bool | None) -> str:
+        schema = json.dumps(_call_schema(tools, choice, "arguments"))
+        more = "" if parallel is False else f' ("\\n{HERMES_CALL}" body)*'
+        rules = f'body: "\\n" %json {schema} "\\n{HERMES_CALL_END}"\n'
+        if choice in (None, "auto"):
+            # `<tool_call>` is ordinary text to the grammar (a USER_DEFINED token), so text
+            # that ends at the first one is a single terminal: a greedy TEXT would otherwise
+            # swallow `<tool_call` and leave no way to finish the tag.
+            escaped = re.escape(HERMES_CALL).replace("/", "\\/")
+            lead = f"/(.|\\n)*{escaped}/ & ~/(.|\\n)*{escaped}(.|\\n)+/"
+            return (f"start: TEXT | LEAD body{more}\n{rules}"
+                    f"TEXT: {never_spelling(HERMES_CALL)}\nLEAD: {lead}\n")
+        return f'start: "{HERMES_CALL}" body{more}\n{rules}'
+
+
+class Llama3Format(ToolFormat):
+    """Llama 3.x: the reply is either text or one `{"name": "f", "parameters": {...}}`
+    (llama.cpp's function_regex also accepts a leading `"type": "function"`, which the grammar
+    never writes)."""
+
+    name = "llama3"
+    syntax = CallSyntax(
+        start=None,
+        header=re.compile(r'\s*\{\s*(?:"type"\s*:\s*"function"\s*,\s*)?' + NAME
+                          + r'"parameters"\s*:\s*(?=\S)'),
+        close=re.compile(r"\s*\}"), single=True)
+
+    def extra(self) -> dict[str, Any] | None:
+        return {"tools_in_user_message": False}
+
+    def grammar(self, tools: list[Tool], choice: str | NamedToolChoice | None,
+                parallel: bool | None) -> str:
+        call = f"call: %json {json.dumps(_call_schema(tools, choice, 'parameters'))}\n"
+        if choice in (None, "auto"):
+            # Text is anything that does not open with `{`: only a call does.
+            return f"start: TEXT | call\n{call}TEXT: /(.|\\n)+/ & ~/\\s*\\{{(.|\\n)*/\n"
+        return f"start: call\n{call}"
+
+
+class Qwen3Format(HermesFormat):
+    """Hermes calls, with a template that reads `reasoning_content` (Qwen 3)."""
+
+    reasoning_field = True
+
+
+PHI4, HERMES, QWEN3, LLAMA3 = Phi4Format(), HermesFormat(), Qwen3Format(), Llama3Format()
+
+
+def tool_tag_ids(fmt: ToolFormat, id_of: Any) -> list[int]:
+    """The vocabulary's ids of `fmt`'s tags. llama.cpp (and HF) read Qwen's `<tool_call>` in
+    any text, since it is not a control token; here message text never spells it, as it never
+    spells `<|im_start|>`, so the model sees a call only where it or the template wrote one."""
+    return [i for i in map(id_of, fmt.tags) if i is not None]
+
+
+def tool_format_of(template: str | None, markup_ids: frozenset[int],
+                   id_of: Any) -> ToolFormat | None:
+    """The format a GGUF's template and vocabulary call tools in, or None. `template` None is
+    Phi-4-mini's own (chat.PHI4_MINI_CHAT_TEMPLATE)."""
+    if template is not None and HERMES_CALL in template:
+        return QWEN3 if "reasoning_content" in template else HERMES
+    if template is not None and LLAMA3_IPYTHON in template:
+        return LLAMA3
+    if id_of(TOOL_CALL) in markup_ids:
+        return PHI4
+    return None
