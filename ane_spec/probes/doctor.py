@@ -297,8 +297,10 @@ def check_residency(run: DoctorRun) -> Verdict:
     planned_t = run.loaded.manifest.build.default_t
     summary = f"planned at T={planned_t} (the RangeDim default); " + "; ".join(
         f"{label}: {_residency_line(r)}" for label, r in per_package.items())
-    if run.decode_shape == "mixed" and planned_t != 1:
-        summary += "; T=1 passes (mixed decode shape) are not covered"
+    uncovered = [t for t in DecodeShapePolicy(run.decode_shape).jit_widths if t != planned_t]
+    if uncovered:  # mixed: its T=1 passes run at a shape the plan never saw
+        summary += (f"; T={'/'.join(map(str, uncovered))} passes ({run.decode_shape} decode "
+                    "shape) are not covered")
     argmax = {label: r.argmax_devices for label, r in per_package.items() if r.argmax_devices}
     if argmax:  # --head-argmax: say where the wide reduce_argmax really landed
         summary += "; reduce_argmax on " + ", ".join(
