@@ -71,7 +71,6 @@ from ane_spec.shards.topology import (
 )
 from ane_spec.shards.weights import (
     DEFAULT_MIN_WEIGHT_COSINE,
-    ConvWeight,
     WeightFormat,
     check_tensor_finite,
     convert_matrix,
