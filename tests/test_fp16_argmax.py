@@ -1,7 +1,8 @@
 """The float16 argmax shortcut must answer exactly what np.argmax of the float values answers:
-checked on every finite half-precision bit pattern, on rows built to tie, and through a real
-build's head. A row holding any non-finite value (every NaN and inf bit pattern) is refused on
-every path, the same way."""
+checked on every finite half-precision bit pattern (on both of its paths: the raw bits when the
+maximum is positive, order keys otherwise), on rows built to tie, and through a real build's head.
+A row holding any non-finite value (every NaN and inf bit pattern) is refused on every path, the
+same way."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from hypothesis.extra.numpy import arrays
 
 from ane_spec.decode.session import DecodeSession, GenerateOptions
 from ane_spec.probes.gates import open_pipeline
-from ane_spec.runtime.fp16_argmax import NonFiniteLogits, argmax, chunked_argmax, order_keys
+from ane_spec.runtime.fp16_argmax import NonFiniteLogits, argmax, order_keys
 from ane_spec.runtime.pipeline import BlockOutput
 from ane_spec.shards.build import BuildRequest, build
 
@@ -45,59 +46,67 @@ def test_argmax_of_every_pair_of_halves_matches_numpy() -> None:
             assert np.array_equal(keys.argmax(1), row.astype(np.float32).argmax(1))
 
 
+def test_argmax_of_rows_of_every_half_matches_numpy() -> None:
+    """Every finite half, in rows of three with random others: rows whose maximum is positive
+    (the raw-bits path), zero of either sign (where -0.0 == +0.0 must tie) and negative (the
+    order-keys path), the first maximum winning."""
+    rng = np.random.default_rng(5)
+    paths = {"bits": 0, "keys": 0}
+    for pool in (FINITE, FINITE[FINITE <= 0], np.array([0.0, -0.0, -1.0, 2.0], np.float16)):
+        rows = rng.choice(pool, size=(len(FINITE), 3))
+        rows[np.arange(len(FINITE)), rng.integers(0, 3, len(FINITE))] = rng.permutation(FINITE)
+        expected = rows.astype(np.float32).argmax(axis=1)
+        for row, want in zip(rows, expected):
+            assert argmax(row) == want, row.view(np.uint16)
+            paths["bits" if row.max() > 0 else "keys"] += 1
+    assert min(paths.values()) > 10_000
+
+
 finite_halves = st.floats(width=16, allow_nan=False, allow_infinity=False)
 
 
 @settings(max_examples=300, deadline=None)
 @given(arrays(np.float16, st.integers(1, 300), elements=finite_halves | st.sampled_from(
-    [0.0, -0.0, 65504.0, -65504.0, 6e-8, -6e-8])),
-       st.lists(st.integers(1, 299), max_size=3))
-def test_argmax_and_chunked_argmax_match_numpy(row: np.ndarray, cuts: list[int]) -> None:
+    [0.0, -0.0, 65504.0, -65504.0, 6e-8, -6e-8])))
+def test_argmax_matches_numpy(row: np.ndarray) -> None:
     expected = int(row.astype(np.float32).argmax())
     assert argmax(row) == expected
-    bounds = sorted({0, *[c for c in cuts if c < len(row)], len(row)})
-    parts = [(a, row[a:b]) for a, b in zip(bounds, bounds[1:])]
-    assert chunked_argmax(parts) == expected
-    assert chunked_argmax([(a, v.astype(np.float32)) for a, v in parts]) == expected
+    assert argmax(row.astype(np.float32)) == expected
+    assert BlockOutput(1, lambda i: row).row_argmax(0) == expected
 
 
-def _every_path(row: np.ndarray, cut: int) -> dict[str, object]:
-    """Each way a token is chosen from one row: the keys on float16, numpy on float32, chunked
-    (cut at `cut`) in both dtypes, and a pass's row_argmax fresh (head buffers), after the row was
-    read, and from its float32 logits alone."""
+def _every_path(row: np.ndarray) -> dict[str, object]:
+    """Each way a token is chosen from one row: the float16 argmax, numpy on float32, and a
+    pass's row_argmax fresh (from the head's float16 row), after the row's logits or values were
+    read, and from float32 logits alone."""
     wide = row.astype(np.float32)
-    parts = [(0, row[:cut]), (cut, row[cut:])]
 
-    def fresh() -> int:
-        return BlockOutput(1, lambda i: wide, argmax_row=lambda i: chunked_argmax(parts)
-                           ).row_argmax(0)
-
-    def after_read() -> int:
-        out = BlockOutput(1, lambda i: wide, argmax_row=lambda i: chunked_argmax(parts))
+    def after(read: str) -> int:
+        out = BlockOutput(1, lambda i: row)
         try:
-            out.row_logits(0)
+            out.row_logits(0) if read == "logits" else out.row_values(0, np.array([0, 3]))
         except NonFiniteLogits:
             pass  # the read refuses too; the argmax after it must not answer regardless
         return out.row_argmax(0)
 
     return {"fp16": lambda: argmax(row), "fp32": lambda: argmax(wide),
-            "chunked-fp16": lambda: chunked_argmax(parts),
-            "chunked-fp32": lambda: chunked_argmax([(a, v.astype(np.float32)) for a, v in parts]),
-            "pass-fresh": fresh, "pass-after-read": after_read,
+            "pass-fresh": lambda: BlockOutput(1, lambda i: row).row_argmax(0),
+            "pass-after-logits": lambda: after("logits"),
+            "pass-after-values": lambda: after("values"),
             "pass-logits-only": lambda: BlockOutput.of_logits(wide[None]).row_argmax(0)}
 
 
 def test_every_path_refuses_every_non_finite_half() -> None:
-    """Each NaN and inf bit pattern, in the first chunk or a later one, first or last in it,
-    beside finite values larger and smaller: every path raises. (Before: a negative NaN 0xFE00
-    made the keys path answer the largest finite value, a NaN after the first chunk was skipped
-    by the chunked argmax, and a row already read went through numpy, which answers the NaN.)"""
+    """Each NaN and inf bit pattern, first, last or inside a row, beside finite values larger
+    and smaller: every path raises. (Before: a negative NaN 0xFE00 made the keys path answer the
+    largest finite value, a NaN after the first chunk was skipped by a chunked argmax, and a row
+    already read went through numpy, which answers the NaN.)"""
     rng = np.random.default_rng(3)
     for n, bad in enumerate(NON_FINITE):
         row = rng.choice(FINITE, 24)
-        at = [0, 5, 11, 12, 17, 23][n % 6]  # first chunk (0..11) or second (12..23)
+        at = [0, 5, 11, 12, 17, 23][n % 6]
         row[at] = bad
-        for path, choose in _every_path(row, 12).items():
+        for path, choose in _every_path(row).items():
             with pytest.raises(NonFiniteLogits, match="non-finite logits"):
                 choose()
                 pytest.fail(f"{path} chose a token beside {row.view(np.uint16)[at]:#06x}")
@@ -109,8 +118,8 @@ def test_every_path_agrees_on_finite_rows() -> None:
         row = rng.choice(FINITE, 24)
         row[rng.integers(0, 24, 3)] = row.max()  # ties
         expected = int(row.astype(np.float32).argmax())
-        assert {path: choose() for path, choose in _every_path(row, 12).items()} == dict.fromkeys(
-            _every_path(row, 12), expected)
+        assert {path: choose() for path, choose in _every_path(row).items()} == dict.fromkeys(
+            _every_path(row), expected)
 
 
 def test_a_head_argmax_row_with_a_non_finite_maximum_is_refused() -> None:
@@ -123,12 +132,11 @@ def test_a_head_argmax_row_with_a_non_finite_maximum_is_refused() -> None:
             out.row_argmax(1)
 
 
-def test_ties_across_chunks_go_to_the_first() -> None:
-    row = np.zeros(12, np.float16)
-    row[[4, 9]] = 3.0
-    row[2] = -0.0
-    assert chunked_argmax([(0, row[:6]), (6, row[6:])]) == 4
-    assert chunked_argmax([(0, np.zeros(3, np.float16)), (3, -np.zeros(3, np.float16))]) == 0
+def test_signed_zeros_tie() -> None:
+    """-0.0 == +0.0: the first of them is the maximum, whichever sign comes first."""
+    assert argmax(np.array([-1.0, -0.0, 0.0, -0.0], np.float16)) == 1
+    assert argmax(np.array([-1.0, 0.0, -0.0], np.float16)) == 1
+    assert argmax(np.array([-0.0, -0.0], np.float16)) == 0
 
 
 @pytest.fixture(scope="module")
@@ -146,12 +154,11 @@ def test_a_pass_argmax_from_the_head_buffers_equals_the_logits_argmax(build_dir:
     rng = np.random.default_rng(1)
     for position in range(0, 24, 4):
         tokens = rng.integers(0, 958, 4).tolist()
-        fast = pipeline.run(tokens, position, state)
-        assert fast._argmax_row is not None
-        slow = [int(fast.row_logits(r).argmax()) for r in range(4)]
         fresh = pipeline.run(tokens, position, pipeline.copy_state(state))
+        fast = pipeline.run(tokens, position, state)
+        slow = [int(fast.row_logits(r).argmax()) for r in range(4)]
         assert [fresh.row_argmax(r) for r in range(4)] == slow
-        assert not fresh._logits  # answered without reading a float32 row
+        assert not fresh._logits  # answered without a float32 copy of any row
 
 
 @pytest.mark.parametrize("precision", ["fp16", "fp32"])

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from ane_spec.decode.grammar import Grammar, json_schema_grammar
-from ane_spec.decode.sampling import NoTokenLeft, SamplingParams
+from ane_spec.decode.sampling import LogitProcessor, NoTokenLeft, SamplingParams
 from ane_spec.decode.verify import RowChooser
 from ane_spec.model.tokenizer import Tokenizer
 from ane_spec.model.vocab import build_synthetic_vocab
 from ane_spec.runtime.fp16_argmax import NonFiniteLogits
 from ane_spec.runtime.pipeline import BlockOutput
-from ane_spec.runtime.row_keys import EXCLUDED, unsigned_keys
+from ane_spec.runtime.row_keys import EXCLUDED, excluded_argmax, unsigned_keys
 
 VOCAB = 1024
 ROW = VOCAB + 8  # the model's rows may be longer than the tokenizer's vocabulary
@@ -32,10 +32,7 @@ def tok() -> Tokenizer:
 def native_and_float(rows: np.ndarray) -> tuple[BlockOutput, BlockOutput]:
     """The same rows as the head gives them (its dtype, read by keys and by ids) and as float32
     logits only (the reference path)."""
-    native = BlockOutput(len(rows), lambda i: rows[i].astype(np.float32),
-                         read_native=lambda i: rows[i].copy(),
-                         values_at=lambda i, ids: rows[i][ids].astype(np.float32))
-    return native, BlockOutput.of_logits(rows.astype(np.float32))
+    return BlockOutput(len(rows), lambda i: rows[i]), BlockOutput.of_logits(rows.astype(np.float32))
 
 
 def reference(chooser: RowChooser, out: BlockOutput) -> int | None:
@@ -62,14 +59,17 @@ def test_keys_order_as_the_floats() -> None:
 def test_processed_argmax_is_the_float_rows_argmax(tok: Tokenizer, monkeypatch) -> None:
     """Both ways: the raw winner untouched (compared with the edited ids only), and the raw
     winner edited or forbidden (the key row with those excluded)."""
-    keyed = []
+    keyed, edited = [], []
     original = RowChooser._processed_argmax
     monkeypatch.setattr(RowChooser, "_processed_argmax",
                         lambda self, *a: keyed.append(1) or original(self, *a))
+    edits = LogitProcessor.edits
+    monkeypatch.setattr(LogitProcessor, "edits",
+                        lambda self, *a: edited.append(1) or edits(self, *a))
     rng = np.random.default_rng(0)
     grammar = Grammar(tok, json_schema_grammar(SCHEMA))
     text = tok.encode('{"a": "xy z", "b": 12}')
-    kinds = {"fast": 0, "banned": 0}
+    kinds = {"fast": 0, "banned": 0, "skipped_edits": 0, "computed_edits": 0}
     for trial in range(600):
         dtype = (np.float16, np.float32)[trial % 2]
         rows = rng.choice(LEVELS, size=(1, ROW)).astype(dtype)
@@ -82,9 +82,9 @@ def test_processed_argmax_is_the_float_rows_argmax(tok: Tokenizer, monkeypatch) 
         bias = tuple((t, float(rng.choice([-np.inf, -1.0, 0.5, 4.0, 5.5]))) for t in targets)
         params = SamplingParams(
             logit_bias=bias, ignore_eos=bool(rng.integers(2)),
-            repeat_penalty=float(rng.choice([1.0, 1.3])),
-            frequency_penalty=float(rng.choice([0.0, 0.5])),
-            presence_penalty=float(rng.choice([0.0, 0.25])), repeat_last_n=16)
+            repeat_penalty=float(rng.choice([1.0, 1.3, 1.3, 0.8])),
+            frequency_penalty=float(rng.choice([0.0, 0.5, 0.5, -0.5])),
+            presence_penalty=float(rng.choice([0.0, 0.25, 0.25, -0.25])), repeat_last_n=16)
         state = None
         if trial % 3:
             state = grammar.start()
@@ -98,10 +98,40 @@ def test_processed_argmax_is_the_float_rows_argmax(tok: Tokenizer, monkeypatch) 
             continue
         native, floats = native_and_float(rows)
         expected = reference(chooser, floats)
+        before = len(edited)
         assert fast(chooser, native) == expected, trial
         kinds["banned" if expected is None else "fast"] += 1
+        if chooser.processor is not None:
+            kinds["computed_edits" if len(edited) > before else "skipped_edits"] += 1
+    chosen = kinds["fast"] + kinds["banned"]
     assert kinds["fast"] > 300
-    assert 100 < len(keyed) < sum(kinds.values()) - 100
+    assert 100 < len(keyed) < chosen - 100
+    # Rows whose raw winner no processor touches, where every edit lowers, skip the edits.
+    assert kinds["skipped_edits"] > 20 and kinds["computed_edits"] > 300, kinds
+
+
+def test_excluded_argmax_is_the_masked_float_argmax() -> None:
+    """Every finite half, in rows where a random part is excluded: the first maximum of what is
+    left, by the raw bits when it is positive and by order keys otherwise; None when nothing is
+    left."""
+    halves = np.arange(65536, dtype=np.uint16).view(np.float16)
+    halves = halves[np.isfinite(halves)]
+    rng = np.random.default_rng(6)
+    paths = {"bits": 0, "keys": 0, "none": 0}
+    for dtype in (np.float16, np.float32):
+        for pool in (halves, halves[halves <= 0], np.array([0.0, -0.0, -1.0, 1.0, 1.0])):
+            for _ in range(300):
+                row = rng.choice(pool, 40).astype(dtype)
+                drop = rng.random(40) < rng.choice([0.0, 0.5, 0.9, 1.0])
+
+                def exclude(keys: np.ndarray) -> None:
+                    keys[drop] = EXCLUDED
+
+                left = np.where(drop, -np.inf, row.astype(np.float64))
+                want = None if drop.all() else int(left.argmax())
+                assert excluded_argmax(row, exclude) == want, (row, drop)
+                paths["none" if want is None else "bits" if left.max() > 0 else "keys"] += 1
+    assert min(paths.values()) > 50
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])

@@ -85,10 +85,27 @@ class LogitProcessor:
         self.bias_ids = np.array([t for t, _ in params.logit_bias], dtype=np.int64)
         self.bias_values = np.array([b for _, b in params.logit_bias], dtype=np.float32)
         self.eog_ids = np.array(sorted(eog_ids), dtype=np.int64)
+        self._bias_set = frozenset(self.bias_ids.tolist())
+        self._eog_set = frozenset(self.eog_ids.tolist())
 
     @property
     def window(self) -> int:
         return self.params.repeat_last_n if self.params.penalized else 0
+
+    @property
+    def only_lowers(self) -> bool:
+        """Whether no processor can raise a logit (the usual settings): a non-positive bias,
+        ignore_eos's -inf, and penalties that divide positive logits, multiply negative ones by
+        at least 1 and subtract non-negative amounts; in float32 each result is <= its input."""
+        p = self.params
+        return bool((self.bias_values <= 0).all()) and (not p.penalized or (
+            p.repeat_penalty >= 1.0 and p.frequency_penalty >= 0.0
+            and p.presence_penalty >= 0.0))
+
+    def touches(self, token: int, recent: Sequence[int]) -> bool:
+        """Whether `edits` would edit `token`'s logit after `recent`."""
+        return (token in self._bias_set or (self.params.ignore_eos and token in self._eog_set)
+                or (self.params.penalized and token in list(recent)[-self.params.repeat_last_n:]))
 
     def apply(self, logits: np.ndarray, recent: Sequence[int]) -> np.ndarray:
         """`recent`: the last `window` tokens before this row (prompt included, as llama-server

@@ -25,7 +25,7 @@ from ane_spec.decode.sampling import (
     top2_margin,
 )
 from ane_spec.runtime.pipeline import BlockOutput
-from ane_spec.runtime.row_keys import EXCLUDED
+from ane_spec.runtime.row_keys import EXCLUDED, excluded_argmax
 
 
 @dataclass(frozen=True)
@@ -68,41 +68,44 @@ class RowChooser:
     def argmax(self, out: BlockOutput, i: int) -> int:
         """`int(self.logits(out, i).argmax())`, first index on ties, computed without that
         float32 row (see `_processed_argmax`)."""
+        best = out.row_argmax(i)  # the raw winner (and the row's NaN check)
         if self.plain:
-            return out.row_argmax(i)
+            return best
+        allowed = self.grammar is None or self.grammar.allows(best)
         if self.processor is None:
-            # Grammar only: the unconstrained winner is the constrained one whenever the grammar
-            # allows it (a masked argmax keeps the first maximum, as np.argmax does): one bit
-            # test instead of a [V] mask.
-            keys = out.row_keys(i)
-            best = int(keys.argmax())
-            if self.grammar.allows(best):
-                return best
-            return self._processed_argmax(out, i, keys, *_NO_EDITS)
+            # Grammar only: a masked argmax keeps the first maximum, as np.argmax does, so an
+            # allowed raw winner is the answer: one bit test instead of a [V] mask.
+            return best if allowed else self._processed_argmax(out, i, *_NO_EDITS)
+        if allowed and self.processor.only_lowers and not self.processor.touches(
+                best, self.recent or ()):
+            # Every edit lowers a logit or leaves it: an edited id before the raw winner was
+            # already below it, one after it at most ties and loses the tie.
+            return best
         ids, values = self.processor.edits(lambda at: out.row_values(i, at), self.recent or ())
         if self.grammar is not None:
-            allowed = self.grammar.allows_ids(ids)
-            ids, values = ids[allowed], values[allowed]
-        best = out.row_argmax(i)
-        if best not in ids and (self.grammar is None or self.grammar.allows(best)):
+            keep = self.grammar.allows_ids(ids)
+            ids, values = ids[keep], values[keep]
+        if allowed and best not in ids:
             # The raw winner is untouched and allowed: it is the first maximum of every token
             # the processors leave alone, so only the edited ids can beat it.
             return _winner(best, out.row_values(i, np.array([best]))[0], ids, values)
-        return self._processed_argmax(out, i, out.row_keys(i), ids, values)
+        return self._processed_argmax(out, i, ids, values)
 
-    def _processed_argmax(self, out: BlockOutput, i: int, keys: np.ndarray, ids: np.ndarray,
+    def _processed_argmax(self, out: BlockOutput, i: int, ids: np.ndarray,
                           values: np.ndarray) -> int:
         """The processed row's argmax in two parts: the tokens no processor touches keep their
-        logits, so their best is an integer argmax over the row's order keys (`keys`, edited
-        here) with the edited (`ids`) and forbidden tokens excluded; the edited tokens the
-        grammar allows are compared by their new `values`."""
-        keys[ids] = EXCLUDED
-        if self.grammar is not None:
-            self.grammar.exclude(keys)
-        best = int(keys.argmax())
-        value = (out.row_values(i, np.array([best]))[0] if keys[best] != EXCLUDED
-                 else np.float32(-np.inf))
-        return _winner(best, value, ids, values)
+        logits, so their best is the first maximum of the head's row with the edited (`ids`) and
+        forbidden tokens excluded (`row_keys.excluded_argmax`, on integers); the edited tokens
+        the grammar allows are compared by their new `values`."""
+        def exclude(keys: np.ndarray) -> None:
+            keys[ids] = EXCLUDED
+            if self.grammar is not None:
+                self.grammar.exclude(keys)
+
+        best = excluded_argmax(out.row_native(i), exclude)
+        if best is None:
+            return _winner(-1, np.float32(-np.inf), ids, values)
+        return _winner(best, out.row_values(i, np.array([best]))[0], ids, values)
 
     def distribution(self, out: BlockOutput, i: int) -> np.ndarray:
         row = out.row_logits(i) if self.plain else self.logits(out, i)

@@ -3,15 +3,15 @@ non-finite logits.
 
 Greedy decoding reads one argmax per verified row, over a 200,064-token vocabulary. numpy casts
 float16 to float32 at ~0.4 ms a row here and compares float16 values slower still, which is most
-of a pass's host budget (1 ms). Reinterpreting the half floats as int16 keys that sort like
-the floats turns it into an integer argmax (~0.05 ms) with the same answer, ties included.
+of a pass's host budget (1 ms). Reading the half floats as integers turns it into an integer
+argmax with the same answer, ties included: the raw bits when the maximum is positive (~0.03 ms
+for a 200,064 row, the finiteness check included), else keys that sort like the floats.
 
 Non-finite logits are refused, on every path (`NonFiniteLogits`): a NaN or inf logit means the
 build or the backend is broken, and no rule for picking a token among them would be one that
-every path agrees on. numpy's argmax answers the first NaN; the keys put a negative NaN below
--inf, so the fast path would answer the largest finite value instead; a chunked argmax compares
-chunk maxima, where NaN is never greater. Refusing is the one answer all of them can give.
-"""
+every path agrees on. numpy's argmax answers the first NaN; order keys put a negative NaN below
+-inf, so an integer argmax would answer the largest finite value instead. Refusing is the one
+answer every path can give; `pipeline.BlockOutput` applies it to every row it reads."""
 
 from __future__ import annotations
 
@@ -42,39 +42,30 @@ def order_keys(x: np.ndarray) -> np.ndarray:
     return (bits ^ (sign & np.int16(0x7FFF))) - sign
 
 
-# Every key at or above +inf's, or at or below -inf's, is a non-finite half.
-_POS_INF_KEY, _NEG_INF_KEY = (int(k) for k in order_keys(np.array([np.inf, -np.inf])))
+# Non-finite halves on the raw bits: as int16, +inf and positive NaNs are the patterns at or
+# above 0x7C00; as uint16, -inf and negative NaNs are those at or above 0xFC00.
+_POS_INF_BITS, _NEG_INF_UBITS = 0x7C00, 0xFC00
 
 
 def argmax(x: np.ndarray) -> int:
-    """Index of the first maximum of a 1-D float array; float16 goes through `order_keys`.
-    Raises NonFiniteLogits if any value is NaN or +-inf."""
+    """Index of the first maximum of a 1-D float array. Raises NonFiniteLogits if any value is
+    NaN or +-inf.
+
+    float16 rows are read as their int16 bits: non-negative halves order as their bits and every
+    negative one has the sign bit set, so when the largest bit pattern is a positive half, its
+    first index is the float argmax, and one more integer reduction checks for non-finite values.
+    Rows whose maximum is zero or negative (where -0.0 and the reversed negative order matter)
+    go through `order_keys`."""
     if x.dtype == np.float16:
-        keys = order_keys(x)
-        i = int(keys.argmax())
-        if keys[i] >= _POS_INF_KEY or keys.min() <= _NEG_INF_KEY:
+        bits = np.ascontiguousarray(x).view(np.int16)
+        i = int(bits.argmax())
+        top = int(bits[i])
+        if top >= _POS_INF_BITS or int(bits.view(np.uint16).max()) >= _NEG_INF_UBITS:
             raise NonFiniteLogits()
-        return i
+        if top > 0:
+            return i
+        return int(order_keys(bits.view(np.float16)).argmax())
     i = int(x.argmax())  # the first NaN, if any: numpy's argmax propagates NaN
     if not (np.isfinite(x[i]) and np.isfinite(x.min())):
         raise NonFiniteLogits()
     return i
-
-
-def require_finite(x: np.ndarray, where: str = "a logits row") -> None:
-    """Raise NonFiniteLogits unless every value of `x` is finite. min and max propagate NaN, and
-    are cheaper than a full isfinite mask (two reductions, no array)."""
-    if x.size and not (np.isfinite(x.max()) and np.isfinite(x.min())):
-        raise NonFiniteLogits(where)
-
-
-def chunked_argmax(parts: list[tuple[int, np.ndarray]]) -> int:
-    """Global argmax over a row split into chunks (start offset, values): the first chunk that
-    holds the maximum wins, as a global argmax's first index would. Every chunk is checked."""
-    best, best_value = -1, None
-    for start, values in parts:
-        i = argmax(values)
-        value = values[i]
-        if best_value is None or value > best_value:
-            best, best_value = start + i, value
-    return best

@@ -41,7 +41,11 @@ class HostInputs:
         cos, sin = self.rope.tables(np.arange(self.max_seq), np.float64)
         self.cos = cos.astype(self.dtype)
         self.sin = sin.astype(self.dtype)
-        self._slots = np.arange(self.max_seq)
+        # Row q of a mask hides slots q+1.. : every such row is one window of a single ramp
+        # (S zeros, then S - 1 hidden), so a pass's mask is one gather, with no [T, S] compare.
+        ramp = np.full(2 * self.max_seq - 1, MASK_VALUE, dtype=self.dtype)
+        ramp[: self.max_seq] = 0.0
+        self._mask_rows = np.lib.stride_tricks.sliding_window_view(ramp, self.max_seq)[::-1]
 
     def block(self, position: int, t: int, width: int | None = None) -> dict[str, np.ndarray]:
         """`t` real rows at positions position..position+t-1, all writing, padded to `width`."""
@@ -71,12 +75,12 @@ class HostInputs:
 
     def _inputs(self, positions: np.ndarray, writes: np.ndarray) -> dict[str, np.ndarray]:
         t = len(positions)
-        mask = np.where(self._slots[None, :] <= positions[:, None], 0.0, MASK_VALUE)
+        mask = self._mask_rows[positions]  # [t, S]: 0 at slots <= the row's position
         write = np.zeros((self.max_seq, t), dtype=self.dtype)
         write[positions[writes], np.flatnonzero(writes)] = 1.0
         return {
             "rope_cos": self.cos[positions],
             "rope_sin": self.sin[positions],
-            "attn_mask": mask.astype(self.dtype).reshape(1, 1, t, self.max_seq),
+            "attn_mask": mask.reshape(1, 1, t, self.max_seq),
             "kv_write_mask": write.reshape(1, 1, self.max_seq, t),
         }

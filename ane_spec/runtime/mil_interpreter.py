@@ -252,7 +252,11 @@ class MILInterpreter:
         for step in self._steps:
             for name, value in zip(step.outputs, self._run_step(step, env)):
                 env[name] = value
-        return {n: np.array(env[n], dtype=self._output_dtypes[n]) for n in self.output_names}
+        # C order, as coremltools hands Core ML's dense outputs back (CoreMLPythonUtils.mm wraps
+        # the MLMultiArray with its strides): the kernels' own layouts (a head's logits come out
+        # token-major from its matmul) would make the host's row reads cheaper here than on a Mac.
+        return {n: np.array(env[n], dtype=self._output_dtypes[n], order="C")
+                for n in self.output_names}
 
     def _run_step(self, step: _Step, env: Mapping[str, Any]) -> tuple[np.ndarray, ...]:
         args: Args = dict(step.defaults)

@@ -22,9 +22,8 @@ from ane_spec.errors import AneSpecError
 from ane_spec.manifests.store import LoadedManifest
 from ane_spec.runtime.backend import Backend, LoadedProgram
 from ane_spec.runtime.decode_shape import DecodeShape, DecodeShapePolicy
-from ane_spec.runtime.fp16_argmax import NonFiniteLogits, argmax, chunked_argmax, require_finite
+from ane_spec.runtime.fp16_argmax import NonFiniteLogits, argmax
 from ane_spec.runtime.host_inputs import HostInputs
-from ane_spec.runtime.row_keys import finite_key_range, unsigned_keys
 
 
 @dataclass
@@ -36,28 +35,24 @@ class BlockOutput:
     """One pass's outputs for its real rows, read from the head's buffers only when asked.
 
     Decoding needs rows 0..m (m accepted drafts), usually only their argmax, and one logits row
-    of a 200,064-token vocabulary is a 0.8 MB gather and conversion: so rows are read one at a
-    time and cached, a pass whose first draft is rejected reads one row, not four, and a row
-    whose argmax alone is asked for is arg-maxed in the head's own buffers (`fp16_argmax`). A head
-    built with --head-argmax has no logits, only each row's `argmax` and winning `max_logit`.
+    of a 200,064-token vocabulary is a 0.4 MB gather: so rows are read one at a time, in the
+    head's own dtype (`read_row`), and cached; a pass whose first draft is rejected reads one row,
+    not four, and greedy choice arg-maxes the half floats without a float32 copy
+    (`fp16_argmax`). A head built with --head-argmax has no logits, only each row's `argmax` and
+    winning `max_logit`.
 
-    Every path refuses a row with a non-finite logit (`fp16_argmax.NonFiniteLogits`), so a row
-    yields one token or an error, however it is read: a logits read checks the whole row, the
-    head-buffer argmax checks every chunk, and a --head-argmax row checks its winning maximum
-    (the only value such a head reports: a NaN or -inf inside a chunk that lost is not seen).
+    The NaN rule (`fp16_argmax.NonFiniteLogits`): every row is checked whole when it is first
+    read, whatever asks for it, so a row yields one token or an error however it is used; a
+    --head-argmax row checks its winning maximum (the only value such a head reports: a NaN or
+    -inf inside a chunk that lost is not seen).
     """
 
     def __init__(self, rows: int, read_row: Callable[[int], np.ndarray] | None, *,
-                 argmax_row: Callable[[int], int] | None = None,
-                 read_native: Callable[[int], np.ndarray] | None = None,
-                 values_at: Callable[[int, np.ndarray], np.ndarray] | None = None,
                  argmax: np.ndarray | None = None, max_logit: np.ndarray | None = None,
                  backend_seconds: float = 0.0, host_seconds: float = 0.0):
         self.rows = rows
         self._read_row = read_row
-        self._argmax_row = argmax_row
-        self._read_native = read_native
-        self._values_at = values_at
+        self._native: dict[int, np.ndarray] = {}
         self._logits: dict[int, np.ndarray] = {}
         self._argmax = {} if argmax is None else dict(enumerate(int(a) for a in argmax))
         self._max_logit = None if max_logit is None else np.asarray(max_logit)
@@ -74,15 +69,27 @@ class BlockOutput:
     def has_logits(self) -> bool:
         return self._read_row is not None
 
-    def row_logits(self, i: int) -> np.ndarray:
-        """Row i's logits [V] (float32; negative i counts from the end)."""
+    def row_native(self, i: int) -> np.ndarray:
+        """Row i [V] in the head's dtype (float16 or float32), checked finite; read-only: it is
+        the cache every other view of the row comes from."""
         i = range(self.rows)[i]
         if self._read_row is None:
             raise AneSpecError("this build's head emits only argmax (--head-argmax): no logits")
+        if i not in self._native:
+            row = np.ascontiguousarray(self._read_row(i))
+            try:
+                best = argmax(row)  # refuses a non-finite row, in the same pass over it
+            except NonFiniteLogits:
+                raise NonFiniteLogits(f"row {i} of the pass") from None
+            row.flags.writeable = False
+            self._native[i], self._argmax[i] = row, best
+        return self._native[i]
+
+    def row_logits(self, i: int) -> np.ndarray:
+        """Row i's logits [V] (float32; negative i counts from the end)."""
+        i = range(self.rows)[i]
         if i not in self._logits:
-            row = self._read_row(i)
-            require_finite(row, f"row {i} of the pass")
-            self._logits[i] = row
+            self._logits[i] = self.row_native(i).astype(np.float32)
         return self._logits[i]
 
     def row_argmax(self, i: int) -> int:
@@ -90,36 +97,12 @@ class BlockOutput:
         if self._max_logit is not None and not np.isfinite(self._max_logit[i]):
             raise NonFiniteLogits(f"row {i} of the pass")  # a --head-argmax row
         if i not in self._argmax:
-            try:
-                if i in self._logits or self._argmax_row is None:
-                    self._argmax[i] = argmax(self.row_logits(i))
-                else:  # straight from the head's buffers, without a float32 copy of the row
-                    self._argmax[i] = self._argmax_row(i)
-            except NonFiniteLogits:
-                raise NonFiniteLogits(f"row {i} of the pass") from None
+            self.row_native(i)
         return self._argmax[i]
 
-    def row_keys(self, i: int) -> np.ndarray:
-        """Row i as `row_keys.unsigned_keys` (a new array, the caller's to edit), from the head's
-        own dtype where it can: no float32 copy of the row."""
-        i = range(self.rows)[i]
-        if i in self._logits or self._read_native is None:
-            return unsigned_keys(self.row_logits(i))  # row_logits refuses non-finite rows
-        native = self._read_native(i)
-        keys = unsigned_keys(native)
-        # The NaN rule (fp16_argmax): NaN and inf keys lie outside the finite values' key range,
-        # so two integer reductions check the row without a float pass over it.
-        low, high = finite_key_range(native.dtype)
-        if keys.size and (keys.min() < low or keys.max() > high):
-            raise NonFiniteLogits(f"row {i} of the pass")
-        return keys
-
     def row_values(self, i: int, ids: np.ndarray) -> np.ndarray:
-        """Row i's logits at `ids` (float32), without reading the whole row."""
-        i = range(self.rows)[i]
-        if i in self._logits or self._values_at is None:
-            return self.row_logits(i)[ids]
-        return self._values_at(i, ids)
+        """Row i's logits at `ids` (float32), without a float32 copy of the row."""
+        return self.row_native(i)[ids].astype(np.float32)
 
     @property
     def logits(self) -> np.ndarray | None:
@@ -136,7 +119,8 @@ class BlockOutput:
     def max_logit(self) -> np.ndarray:
         if self._max_logit is not None:
             return self._max_logit
-        return np.array([self.row_logits(i)[self.row_argmax(i)] for i in range(self.rows)])
+        return np.array([self.row_native(i)[self.row_argmax(i)] for i in range(self.rows)],
+                        dtype=np.float32)
 
 
 @dataclass
@@ -296,30 +280,15 @@ class ShardPipeline:
             views = [(start, end, self.token_major(outputs[f"logits_{i}"]))  # [T, V_i], no copy
                      for i, (start, end) in enumerate(chunks)]
 
-            def gather(r: int, dtype: np.dtype) -> np.ndarray:
-                row = np.empty(chunks[-1][1], dtype=dtype)
+            def read_row(r: int) -> np.ndarray:
+                # Core ML's [1, V_i, T, 1] buffers keep a row's logits T apart: one strided copy
+                # per chunk into a row in the head's own dtype.
+                row = np.empty(chunks[-1][1], dtype=views[0][2].dtype)
                 for start, end, view in views:
                     row[start:end] = view[r]
                 return row
 
-            def read_row(r: int) -> np.ndarray:
-                return gather(r, np.float32)
-
-            def argmax_row(r: int) -> int:
-                return chunked_argmax([(start, view[r]) for start, _, view in views])
-
-            def read_native(r: int) -> np.ndarray:  # the head's dtype: no float32 copy
-                return gather(r, views[0][2].dtype)
-
-            def values_at(r: int, ids: np.ndarray) -> np.ndarray:
-                values = np.empty(len(ids), dtype=np.float32)
-                for start, end, view in views:
-                    inside = (ids >= start) & (ids < end)
-                    values[inside] = view[r][ids[inside] - start]
-                return values
-
-            return BlockOutput(rows, read_row, argmax_row=argmax_row, read_native=read_native,
-                               values_at=values_at)
+            return BlockOutput(rows, read_row)
         maxima = np.stack([self.from_hidden(outputs[f"max_{i}"])[:rows, 0]
                            for i in range(len(chunks))], axis=1)           # [rows, chunks]
         index = np.stack([self.from_hidden(outputs[f"argmax_{i}"])[:rows, 0]

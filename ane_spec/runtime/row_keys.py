@@ -8,6 +8,8 @@ per read row; the keys cost a gather and a few integer passes, an excluded token
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 # float dtype -> (signed bits, unsigned key type)
@@ -34,9 +36,22 @@ def unsigned_keys(x: np.ndarray) -> np.ndarray:
     return keys.view(unsigned)
 
 
-def finite_key_range(dtype: np.dtype) -> tuple[int, int]:
-    """The keys of the lowest and highest finite values of `dtype`: every key outside this range
-    is an infinity or a NaN."""
-    info = np.finfo(dtype)
-    ends = unsigned_keys(np.array([info.min, info.max], dtype=dtype))
-    return int(ends[0]), int(ends[1])
+def excluded_argmax(row: np.ndarray, exclude: Callable[[np.ndarray], object]) -> int | None:
+    """First index of the largest value of a finite float16/float32 `row` among the entries
+    `exclude` leaves, or None when it leaves none. `exclude(a)` sets the excluded entries of an
+    integer copy of the row to EXCLUDED, in place.
+
+    Usually one pass over the raw bits: non-negative floats order as their bits and negative ones
+    have the sign bit set, so when the best bit pattern left is a positive value it is the
+    answer (excluded entries, now 0, and the values <= 0 all lie below it). Only when nothing
+    positive is left do the full order keys decide."""
+    signed, _ = _BITS[row.dtype]
+    bits = row.view(signed).copy()
+    exclude(bits)
+    best = int(bits.argmax())
+    if bits[best] > 0:
+        return best
+    keys = unsigned_keys(row)
+    exclude(keys)
+    best = int(keys.argmax())
+    return None if keys[best] == EXCLUDED else best
