@@ -360,3 +360,29 @@ def test_drift_never_written_unreadable(pristine: Path, tmp_path: Path) -> None:
     assert (art / "manifest.json").read_bytes() == before
     record_drift(art, "mil-fp32", 0.004)
     assert load_manifest(art).manifest.drift == {"mil-fp32": 0.004}
+
+
+def test_graphs_of_another_revision_are_refused_at_load(pristine: Path, tmp_path: Path) -> None:
+    """A build from before the finite-safe KV write and mask (or without a recorded revision),
+    or from a newer compiler, is refused by name when the pipeline opens; the current one runs."""
+    from ane_spec.errors import ManifestError
+    from ane_spec.manifests.schema import GRAPH_REVISION
+    from ane_spec.probes.gates import open_pipeline
+
+    art = tmp_path / "art"
+    shutil.copytree(pristine, art)
+    original = json.loads((art / "manifest.json").read_text())
+    assert original["graph_revision"] == GRAPH_REVISION
+    for revision in (None, 0, GRAPH_REVISION - 1, GRAPH_REVISION + 1):
+        doc = dict(original)
+        if revision is None:
+            del doc["graph_revision"]  # written before the revision was recorded
+        else:
+            doc["graph_revision"] = revision
+        rewrite(art / "manifest.json", json.dumps(doc).encode())
+        with pytest.raises(ManifestError, match=f"built with graph revision {revision or 0}; "
+                           r"this ane-spec runs revisions .*rebuild with `ane-spec build --force`"):
+            open_pipeline(art, "mil", "fp16")
+    rewrite(art / "manifest.json", json.dumps(original).encode())
+    _, pipeline = open_pipeline(art, "mil", "fp16")
+    assert pipeline.run([1, 2], 0, pipeline.new_state()).row_argmax(0) >= 0

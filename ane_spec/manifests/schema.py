@@ -23,6 +23,16 @@ from ane_spec.model.rope import RopeSpec
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+# The revision of the graphs the compiler emits, recorded in each manifest (0: before it was).
+# The compiler bumps it when the emitted graphs change, so fingerprints stop matching and shards
+# are rebuilt. 2: finite-safe KV write and select mask; 3: RangeDim default T=4 (residency is
+# planned at the shape that runs); 4: llama, qwen2 and qwen3 layers (phi3 programs unchanged);
+# 5: hidden slots score -32768 (-65504 overflowed `score - max` in fp16).
+GRAPH_REVISION = 5
+# The oldest graphs the runtime still runs: before 5 an fp16 row whose largest score passed 16
+# could overflow the mask, and before 2 one overflowing row poisoned every KV slot, so output
+# could differ from greedy decoding.
+OLDEST_RUNNABLE_GRAPH_REVISION = 5
 
 # Phi-4-mini's window is 131072 tokens; 8x that bounds what a manifest may make the runtime
 # allocate for RoPE tables and masks (~200 MB at phi's head size) whatever the file claims.
@@ -157,6 +167,7 @@ class GateResult(_Strict):
 class Manifest(_Strict):
     schema_version: int = SCHEMA_VERSION
     tool_version: str
+    graph_revision: int = Field(0, ge=0)
     created: str
     name: str
     source: SourceInfo

@@ -18,7 +18,8 @@ import numpy as np
 
 from ane_spec.ane_limits import q8_block_refusal
 
-from ane_spec.errors import AneSpecError
+from ane_spec.errors import AneSpecError, ManifestError
+from ane_spec.manifests.schema import GRAPH_REVISION, OLDEST_RUNNABLE_GRAPH_REVISION
 from ane_spec.manifests.store import LoadedManifest
 from ane_spec.runtime.backend import Backend, LoadedProgram
 from ane_spec.runtime.decode_shape import DecodeShape, DecodeShapePolicy
@@ -160,6 +161,12 @@ class ShardPipeline:
 
     def __post_init__(self) -> None:
         m = self.loaded.manifest
+        if not OLDEST_RUNNABLE_GRAPH_REVISION <= m.graph_revision <= GRAPH_REVISION:
+            raise ManifestError(
+                f"{self.loaded.file}: built with graph revision {m.graph_revision}; this ane-spec "
+                f"runs revisions {OLDEST_RUNNABLE_GRAPH_REVISION}..{GRAPH_REVISION} (older graphs"
+                " can let one overflowing row change the output; newer ones need a newer "
+                "ane-spec): rebuild with `ane-spec build --force`")
         self.manifest = m
         self.config = m.model
         self.max_seq = m.build.max_seq

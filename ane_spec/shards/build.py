@@ -38,6 +38,7 @@ import ane_spec
 from ane_spec.ane_limits import build_warnings
 from ane_spec.errors import AneSpecError, BuildError, ManifestError, one_line, untrusted
 from ane_spec.manifests.schema import (
+    GRAPH_REVISION,
     BuildOptions,
     EmbeddingsEntry,
     HeadEntry,
@@ -76,12 +77,6 @@ from ane_spec.shards.weights import (
     convert_matrix,
     require_finite,
 )
-
-# Bump when the emitted graphs change, so fingerprints stop matching and shards are rebuilt.
-# 2: finite-safe KV write and select mask; 3: RangeDim default T=4 (residency is planned at the
-# shape that runs); 4: llama, qwen2 and qwen3 layers (phi3 programs are unchanged); 5: hidden
-# slots score -32768 (-65504 overflowed `score - max` in fp16).
-COMPILER_REVISION = 5
 
 Progress = Callable[[str], None]
 
@@ -230,7 +225,7 @@ def _build_into(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
     model.check_unchanged()
 
     manifest = Manifest(
-        tool_version=ane_spec.__version__,
+        tool_version=ane_spec.__version__, graph_revision=GRAPH_REVISION,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         name=request.name or out.name,
         source=SourceInfo(path=str(model.path.resolve()), bytes=model.path.stat().st_size,
@@ -349,7 +344,7 @@ def _fingerprint(options: BuildOptions, r: BuildRequest, what: tuple, tensor_sha
                  model: GGUFModel, tensors: list[str], variant: GraphVariant) -> str:
     """Everything a package depends on. Equal fingerprints mean an identical package."""
     relevant = {
-        "compiler": COMPILER_REVISION, "what": what, "config": model.config.model_dump(),
+        "compiler": GRAPH_REVISION, "what": what, "config": model.config.model_dump(),
         "max_seq": options.max_seq, "layout": options.layout, "weights": options.weights,
         "variant": repr(variant),
         "head": [options.head_chunks, options.head_argmax] if what[0] == "head" else None,
