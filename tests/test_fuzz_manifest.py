@@ -381,7 +381,7 @@ def test_graphs_of_another_revision_are_refused_at_load(pristine: Path, tmp_path
             doc["graph_revision"] = revision
         rewrite(art / "manifest.json", json.dumps(doc).encode())
         with pytest.raises(ManifestError, match=f"built with graph revision {revision or 0}; "
-                           r"this ane-spec runs revisions .*rebuild with `ane-spec build --force`"):
+                           r"this ane-spec runs revision.*rebuild with `ane-spec build --force`"):
             open_pipeline(art, "mil", "fp16")
     rewrite(art / "manifest.json", json.dumps(original).encode())
     _, pipeline = open_pipeline(art, "mil", "fp16")

@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ane_spec.decode.grammar import Grammar, json_schema_grammar
+from ane_spec.decode import grammar as grammar_module
+from ane_spec.decode.grammar import Grammar, GrammarState, json_schema_grammar
 from ane_spec.decode.sampling import LogitProcessor, NoTokenLeft, SamplingParams
 from ane_spec.decode.verify import RowChooser
 from ane_spec.model.tokenizer import Tokenizer
@@ -56,9 +57,18 @@ def test_keys_order_as_the_floats() -> None:
         assert (np.diff(keys[[0, 1, 2, 4, 6]].astype(np.int64)) > 0).all()
 
 
-def test_processed_argmax_is_the_float_rows_argmax(tok: Tokenizer, monkeypatch) -> None:
+@pytest.mark.parametrize("mask_words", [0, 512], ids=["dense-mask", "sparse-mask"])
+def test_processed_argmax_is_the_float_rows_argmax(tok: Tokenizer, monkeypatch,
+                                                   mask_words: int) -> None:
     """Both ways: the raw winner untouched (compared with the edited ids only), and the raw
-    winner edited or forbidden (the key row with those excluded)."""
+    winner edited or forbidden (the key row with those excluded, or under a grammar that
+    allows few tokens, their logits gathered: `mask_words` sets which)."""
+    monkeypatch.setattr(grammar_module, "SPARSE_MASK_WORDS", mask_words)
+    sparse = []
+    allowed_ids = GrammarState.allowed_ids
+    monkeypatch.setattr(GrammarState, "allowed_ids",
+                        lambda self, *a: (lambda r: sparse.append(r is not None) or r)(
+                            allowed_ids(self, *a)))
     keyed, edited = [], []
     original = RowChooser._processed_argmax
     monkeypatch.setattr(RowChooser, "_processed_argmax",
@@ -106,6 +116,7 @@ def test_processed_argmax_is_the_float_rows_argmax(tok: Tokenizer, monkeypatch) 
     chosen = kinds["fast"] + kinds["banned"]
     assert kinds["fast"] > 300
     assert 100 < len(keyed) < chosen - 100
+    assert (sum(sparse) > 100) if mask_words else (len(sparse) > 100 and not any(sparse))
     # Rows whose raw winner no processor touches, where every edit lowers, skip the edits.
     assert kinds["skipped_edits"] > 20 and kinds["computed_edits"] > 300, kinds
 

@@ -36,6 +36,11 @@ JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": 
                                 "key_separator": ": ?"}
 
 
+# Up to this many non-zero mask words (16,384 candidate tokens), a masked argmax gathers the
+# allowed tokens' logits instead of masking the whole row.
+SPARSE_MASK_WORDS = 512
+
+
 class GrammarError(AneSpecError):
     """A response format, schema or grammar cannot be compiled into a token mask."""
 
@@ -156,11 +161,26 @@ class GrammarState:
         return logits
 
     def allows_ids(self, ids: np.ndarray) -> np.ndarray:
-        """bool per id: whether the grammar allows it next (ids past its vocabulary: never)."""
+        """bool per id: whether the grammar allows it next (ids past its vocabulary: never).
+        Bit tests on the packed mask: no [V] array."""
+        self._compute()
         inside = ids < self.vocab
+        at = ids[inside]
         allowed = np.zeros(len(ids), dtype=bool)
-        allowed[inside] = self.mask()[ids[inside]]
+        allowed[inside] = (self._bits[at >> 5] >> (at & 31)) & 1
         return allowed
+
+    def allowed_ids(self, most_words: int | None = None) -> np.ndarray | None:
+        """The allowed token ids in increasing order, when they sit in at most `most_words` of
+        the mask's 32-bit words (else None): read from those words alone, without a [V] array.
+        Structural JSON positions allow a few dozen tokens; inside a string nearly all are."""
+        self._compute()
+        words = np.flatnonzero(self._bits)
+        if len(words) > (SPARSE_MASK_WORDS if most_words is None else most_words):
+            return None
+        bits = np.unpackbits(self._bits[words].view(np.uint8), bitorder="little").view(bool)
+        ids = (words[:, None] * 32 + np.arange(32)).ravel()[bits]
+        return ids[ids < self.vocab]
 
     def exclude(self, keys: np.ndarray) -> np.ndarray:
         """Forbidden tokens' `row_keys` keys set to EXCLUDED (0), in place: the key row's

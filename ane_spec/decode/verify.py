@@ -97,6 +97,16 @@ class RowChooser:
         logits, so their best is the first maximum of the head's row with the edited (`ids`) and
         forbidden tokens excluded (`row_keys.excluded_argmax`, on integers); the edited tokens
         the grammar allows are compared by their new `values`."""
+        allowed = None if self.grammar is None else self.grammar.allowed_ids()
+        if allowed is not None:
+            # Few tokens allowed: their logits, in id order, minus the edited ones.
+            left = allowed[~np.isin(allowed, ids, assume_unique=True)]
+            if not len(left):
+                return _winner(-1, np.float32(-np.inf), ids, values)
+            scores = out.row_values(i, left)
+            j = int(scores.argmax())  # the first maximum: ids increase
+            return _winner(int(left[j]), scores[j], ids, values)
+
         def exclude(keys: np.ndarray) -> None:
             keys[ids] = EXCLUDED
             if self.grammar is not None:

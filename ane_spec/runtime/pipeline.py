@@ -161,12 +161,14 @@ class ShardPipeline:
 
     def __post_init__(self) -> None:
         m = self.loaded.manifest
-        if not OLDEST_RUNNABLE_GRAPH_REVISION <= m.graph_revision <= GRAPH_REVISION:
+        runnable = range(OLDEST_RUNNABLE_GRAPH_REVISION, GRAPH_REVISION + 1)
+        if m.graph_revision not in runnable:
+            runs = (f"revision {runnable[0]}" if len(runnable) == 1
+                    else f"revisions {runnable[0]}..{runnable[-1]}")
             raise ManifestError(
                 f"{self.loaded.file}: built with graph revision {m.graph_revision}; this ane-spec "
-                f"runs revisions {OLDEST_RUNNABLE_GRAPH_REVISION}..{GRAPH_REVISION} (older graphs"
-                " can let one overflowing row change the output; newer ones need a newer "
-                "ane-spec): rebuild with `ane-spec build --force`")
+                f"runs {runs} (older graphs can let one overflowing row change the output; newer "
+                "ones need a newer ane-spec): rebuild with `ane-spec build --force`")
         self.manifest = m
         self.config = m.model
         self.max_seq = m.build.max_seq
