@@ -10,6 +10,11 @@ scripted drafter that proposes the tokens the model will produce (found by a pla
 first), the first k-1 of them right: every pass then reads k rows. The per-pass host time is
 what a real-size model on the ANE pays on top of its compute.
 
+The interpreter returns outputs in C order, as coremltools returns Core ML's: the head's
+[1, V, T, 1] chunks keep a row's logits T apart, so each read row is a strided gather, as on a
+Mac. Its own compute evicts the CPU caches before every host step, so the figures are upper
+bounds for a host that waits on the Neural Engine.
+
 Modes: plain greedy; penalties (repeat 1.1, frequency 0.1, presence 0.1 over the last 64 tokens);
 a JSON-schema grammar (the llguidance mask of every row read). Every speculative output is
 checked token-for-token against plain greedy decoding under the same processors.
