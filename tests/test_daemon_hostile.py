@@ -723,9 +723,40 @@ COMPLETION = st.fixed_dictionaries(
      "max_tokens": SMALL},
     optional={"json_schema": SCHEMAS, "grammar": GRAMMARS, "temperature": st.floats(0, 2),
               "n_predict": st.integers(-2, 3), "ignore_eos": st.booleans()})
+# The other protocols' doors (llama-server's, Ollama's, Responses) take the same hostile fields
+# in their own shapes.
+OPTIONS = st.fixed_dictionaries({"num_predict": st.integers(-3, 3) | st.just(2)}, optional={
+    "temperature": st.floats(0, 2) | NASTY, "stop": st.lists(NASTY, max_size=2) | NASTY,
+    "mirostat": st.integers(0, 3), "seed": st.integers(-1, 2**64), "num_ctx": st.integers()})
+OLLAMA_FORMAT = st.just("json") | SCHEMAS | NASTY
+OLLAMA_CHAT = st.fixed_dictionaries(
+    {"model": NASTY, "messages": FUZZ_MESSAGES, "stream": st.just(False), "options": OPTIONS},
+    optional={"format": OLLAMA_FORMAT, "tools": TOOLS, "think": st.booleans() | NASTY,
+              "images": st.lists(NASTY, max_size=1), "keep_alive": JSONISH})
+OLLAMA_GENERATE = st.fixed_dictionaries(
+    {"model": NASTY, "prompt": NASTY, "stream": st.just(False), "options": OPTIONS},
+    optional={"format": OLLAMA_FORMAT, "system": NASTY, "template": NASTY, "raw": st.booleans(),
+              "suffix": NASTY, "context": st.lists(st.integers(-2, 2**40), max_size=4)})
+RESPONSES = st.fixed_dictionaries(
+    {"input": NASTY | FUZZ_MESSAGES, "max_output_tokens": st.integers(-1, 3)},
+    optional={"instructions": NASTY, "tools": TOOLS, "tool_choice": JSONISH,
+              "text": st.fixed_dictionaries({"format": st.fixed_dictionaries(
+                  {"type": st.sampled_from(["json_schema", "json_object", "text", "x"]),
+                   "name": NASTY, "schema": SCHEMAS})}) | JSONISH,
+              "previous_response_id": NASTY, "temperature": st.floats(-1, 3)})
+LLAMA_COMPLETION = st.fixed_dictionaries(
+    {"prompt": NASTY | st.lists(st.integers(-2, 1100), max_size=6), "n_predict": SMALL},
+    optional={"json_schema": SCHEMAS, "grammar": GRAMMARS, "n_probs": st.integers(-1, 3),
+              "id_slot": st.integers(-2, 9), "cache_prompt": JSONISH, "stop": JSONISH,
+              "logit_bias": JSONISH})
 REQUESTS = st.one_of(
     st.tuples(st.just("/v1/chat/completions"), CHAT),
     st.tuples(st.just("/v1/completions"), COMPLETION),
+    st.tuples(st.just("/completion"), LLAMA_COMPLETION),
+    st.tuples(st.just("/api/chat"), OLLAMA_CHAT),
+    st.tuples(st.just("/api/generate"), OLLAMA_GENERATE),
+    st.tuples(st.just("/v1/responses"), RESPONSES),
+    st.tuples(st.just("/apply-template"), st.fixed_dictionaries({"messages": FUZZ_MESSAGES})),
     st.tuples(st.just("/tokenize"), st.fixed_dictionaries(
         {"content": NASTY}, optional={"with_pieces": st.booleans(),
                                       "add_special": st.booleans()})),
@@ -735,11 +766,12 @@ REQUESTS = st.one_of(
                                "/slots/0?action=erase", "/slots/9?action=x",
                                "/slots/-1?action=save"]),
               st.fixed_dictionaries({}, optional={"filename": NASTY})),
-    st.tuples(st.sampled_from(["/v1/chat/completions", "/v1/completions", "/tokenize"]),
+    st.tuples(st.sampled_from(["/v1/chat/completions", "/v1/completions", "/tokenize",
+                               "/completion", "/api/chat", "/api/generate", "/v1/responses"]),
               JSONISH | DEEP))
 
 
-@settings(max_examples=80, deadline=None, derandomize=True,
+@settings(max_examples=150, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                  HealthCheck.data_too_large])
 @given(request=REQUESTS)
@@ -757,8 +789,12 @@ FUZZ_STATUSES: Counter = Counter()
 
 def test_the_fuzz_reached_the_model() -> None:
     """The fuzz above is worth something only if many bodies got past validation and ran."""
-    ran = sum(n for (path, status), n in FUZZ_STATUSES.items() if status == 200)
-    assert ran >= 10 and sum(FUZZ_STATUSES.values()) >= 80, FUZZ_STATUSES
+    print("fuzz statuses:", sorted(FUZZ_STATUSES.items()))  # shown with -s
+    ran = Counter(path for (path, status), n in FUZZ_STATUSES.items() for _ in range(n)
+                  if status == 200)
+    assert sum(ran.values()) >= 20 and sum(FUZZ_STATUSES.values()) >= 150, FUZZ_STATUSES
+    # every protocol's door let some bodies through to the model, not only refusals
+    assert {"/v1/chat/completions", "/completion", "/api/chat", "/v1/responses"} <= set(ran), ran
 
 
 # --- 9. the other protocols' doors ---------------------------------------------------------------

@@ -95,12 +95,13 @@ class RowChooser:
                           values: np.ndarray) -> int:
         """The processed row's argmax in two parts: the tokens no processor touches keep their
         logits, so their best is the first maximum of the head's row with the edited (`ids`) and
-        forbidden tokens excluded (`row_keys.excluded_argmax`, on integers); the edited tokens
-        the grammar allows are compared by their new `values`."""
-        allowed = None if self.grammar is None else self.grammar.allowed_ids()
-        if allowed is not None:
+        forbidden tokens excluded (`row_keys.excluded_argmax`, on integers; or, where the grammar
+        allows few tokens, among those tokens' logits alone); the edited tokens the grammar
+        allows are compared by their new `values`."""
+        few = None if self.grammar is None else self.grammar.allowed_ids()
+        if few is not None:
             # Few tokens allowed: their logits, in id order, minus the edited ones.
-            left = allowed[~np.isin(allowed, ids, assume_unique=True)]
+            left = few[~np.isin(few, ids, assume_unique=True)]
             if not len(left):
                 return _winner(-1, np.float32(-np.inf), ids, values)
             scores = out.row_values(i, left)
