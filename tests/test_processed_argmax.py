@@ -66,9 +66,13 @@ def test_processed_argmax_is_the_float_rows_argmax(tok: Tokenizer, monkeypatch,
     monkeypatch.setattr(grammar_module, "SPARSE_MASK_WORDS", mask_words)
     sparse = []
     allowed_ids = GrammarState.allowed_ids
-    monkeypatch.setattr(GrammarState, "allowed_ids",
-                        lambda self, *a: (lambda r: sparse.append(r is not None) or r)(
-                            allowed_ids(self, *a)))
+
+    def counted_allowed_ids(self, *args):  # noqa: ANN001, ANN202
+        ids = allowed_ids(self, *args)
+        sparse.append(ids is not None)
+        return ids
+
+    monkeypatch.setattr(GrammarState, "allowed_ids", counted_allowed_ids)
     keyed, edited = [], []
     original = RowChooser._processed_argmax
     monkeypatch.setattr(RowChooser, "_processed_argmax",

@@ -19,6 +19,7 @@ last): top-p and min-p see the tempered distribution, as they did here before.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import cached_property
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -92,7 +93,7 @@ class LogitProcessor:
     def window(self) -> int:
         return self.params.repeat_last_n if self.params.penalized else 0
 
-    @property
+    @cached_property  # asked on every verified row; the params are frozen
     def only_lowers(self) -> bool:
         """Whether no processor can raise a logit (the usual settings): a non-positive bias,
         ignore_eos's -inf, and penalties that divide positive logits, multiply negative ones by
@@ -104,8 +105,13 @@ class LogitProcessor:
 
     def touches(self, token: int, recent: Sequence[int]) -> bool:
         """Whether `edits` would edit `token`'s logit after `recent`."""
-        return (token in self._bias_set or (self.params.ignore_eos and token in self._eog_set)
-                or (self.params.penalized and token in list(recent)[-self.params.repeat_last_n:]))
+        if token in self._bias_set or (self.params.ignore_eos and token in self._eog_set):
+            return True
+        if not self.params.penalized or token not in recent:
+            return False
+        # Only a history longer than the window (the chooser keeps just the window) needs a cut.
+        n = self.params.repeat_last_n
+        return len(recent) <= n or token in list(recent)[-n:]
 
     def apply(self, logits: np.ndarray, recent: Sequence[int]) -> np.ndarray:
         """`recent`: the last `window` tokens before this row (prompt included, as llama-server
