@@ -196,6 +196,60 @@ def test_non_streaming_client_that_leaves_the_queue_frees_its_place(slow) -> Non
     poll(f"{url}/health", lambda h: not h["busy"], "an idle worker")
 
 
+def poll_running_slot(url: str, predicate, timeout: float = 30.0) -> dict:
+    """The one running /slots row, once predicate holds for it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = [r for r in httpx.get(f"{url}/slots", timeout=10).json()["slots"]
+                if r["state"] == "running"]
+        assert len(rows) <= 1, rows
+        if rows and predicate(rows[0]):
+            return rows[0]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for the running slot: {rows}")
+        time.sleep(0.02)
+
+
+def test_work_for_a_departed_client_stops_and_shows_while_it_runs(slow, pipeline) -> None:
+    """Output made only of invisible special tokens never produced text, so the old disconnect
+    check (on text) never ran and the worker filled the context for nobody. Now every pass
+    asks; meanwhile /health says what the worker is on, and /slots shows the conversation.
+
+    The paced pipeline holds every pass PASS_DELAY s, so the whole context (>= 32 passes of at
+    most 4 tokens) takes >= 3.2 s whatever the machine's speed: the client's 0.5 s timeout always
+    comes first. (On the hostile suite's unpaced server a quiet machine finished the 510 tokens
+    inside the timeout, so the test raced the clock.)"""
+    url, tok = slow.url, pipeline.tokenizer
+    invisible = tok.encode("<|tool|>", special=True)[0]
+    room = S - 2
+    before = metrics_dict(httpx.get(f"{url}/metrics").text)
+    outcome = []
+
+    def leave_early() -> None:
+        try:
+            httpx.post(f"{url}/v1/completions", timeout=0.5, json={
+                "prompt": [5, 6], "max_tokens": room, "logit_bias": {str(invisible): 100}})
+            outcome.append("answered")
+        except httpx.ReadTimeout:
+            outcome.append("gone")
+
+    client = threading.Thread(target=leave_early)
+    client.start()
+    health = poll(f"{url}/health", lambda h: h["running"] is not None, "the generation to start")
+    running = health["running"]
+    assert running["task"] == "completions" and running["prompt_tokens"] == 2
+    assert running["seconds"] >= 0 and health["busy"]
+    row = poll_running_slot(url, lambda r: r["tokens"] >= 2)  # once the paced prefill ran
+    assert row["prompt_tokens"] == 2 and row["running_seconds"] >= 0
+    client.join()
+    assert outcome == ["gone"]
+    after = poll(f"{url}/metrics", lambda m: counter(m, CANCELLED) == counter(before, CANCELLED) + 1
+                 and m["ane_spec_generation_in_progress"] == 0, "the cancelled generation")
+    generated = (after["ane_spec_generated_tokens_total"]
+                 - before.get("ane_spec_generated_tokens_total", 0))
+    assert generated < room * 0.8, generated  # it used to run to the end of the context
+
+
 def test_mixed_decode_shape_warms_both_widths_and_calibrates_the_guard(artifacts: Path) -> None:
     with BackgroundServer(config(artifacts, decode_shape="mixed")) as srv:
         health = ready(srv.url)
