@@ -53,7 +53,8 @@ class PullError(AneSpecError):
 def default_cache_dir() -> Path:
     """`$ANE_SPEC_CACHE/models`, else `~/.cache/ane-spec/models`."""
     root = os.environ.get(CACHE_ENV)
-    return (Path(root) if root else Path.home() / ".cache" / "ane-spec") / "models"
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "ane-spec"
+    return (base / "models").absolute()
 
 
 def _stderr(message: str) -> None:
