@@ -66,8 +66,8 @@ class WheelPart(BaseModel):
     @field_validator("member")
     @classmethod
     def _member(cls, v: str) -> str:
-        p = PurePosixPath(v)
-        if not v or p.is_absolute() or "\\" in v or any(part in ("", ".", "..") for part in v.split("/")):
+        if (not v or PurePosixPath(v).is_absolute() or "\\" in v
+                or any(part in ("", ".", "..") for part in v.split("/"))):
             raise ValueError(f"member must be a plain relative path inside the wheel: {v!r}")
         return v
 
