@@ -28,11 +28,33 @@ def _parse_tokens(text: str) -> list[int]:
 
 # --- model contract -------------------------------------------------------------------------
 
+def _model_path(arg: str):
+    """A GGUF path, catalog name (pulled if not cached) or ollama:NAME[:TAG], as a file path."""
+    from ane_spec.model.resolve import resolve_model
+
+    return resolve_model(arg, say=lambda msg: print(msg, file=sys.stderr, flush=True))
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from ane_spec.model.catalog import CATALOG
+    from ane_spec.model.pull import cached_path, is_cached, pull
+
+    if args.list:
+        for entry in CATALOG.values():
+            state = f"cached: {cached_path(entry)}" if is_cached(entry) else "not cached"
+            print(f"{entry.name:30} {entry.size / 1e6:7,.1f} MB  {entry.title}  ({state})")
+        return 0
+    if not args.name:
+        raise AneSpecError("name a catalog model (`ane-spec pull --list` lists them)")
+    print(pull(args.name, verify=args.verify))
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ane_spec.model.gguf_file import open_gguf
     from ane_spec.model.inspect import describe, format_description
 
-    d = describe(open_gguf(args.gguf))
+    d = describe(open_gguf(_model_path(args.gguf)))
     print(json.dumps(d, indent=2) if args.json else format_description(d))
     return 0
 
@@ -41,7 +63,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     from ane_spec.model.gguf_file import open_gguf
     from ane_spec.model.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_data(open_gguf(args.gguf).tokenizer_data)
+    tok = Tokenizer.from_data(open_gguf(_model_path(args.gguf)).tokenizer_data)
     print(json.dumps(tok.encode(args.text, special=args.special)))
     return 0
 
@@ -64,7 +86,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
         from ane_spec.model.gguf_file import open_gguf
         from ane_spec.model.reference import ReferenceModel
 
-        model = ReferenceModel(open_gguf(args.gguf), context_window=args.context)
+        model = ReferenceModel(open_gguf(_model_path(args.gguf)), context_window=args.context)
         logits = model.logits(args.tokens)
         source = f"reference, {model.rope.factor_set} RoPE factors, context {args.context}"
     np.save(args.out, logits.astype(np.float32))
@@ -107,7 +129,7 @@ def cmd_build(args: argparse.Namespace) -> int:
                            layout=args.layout, head_chunks=args.head_chunks,
                            head_argmax=args.head_argmax, max_shard_mb=args.max_shard_mb,
                            min_weight_cosine=args.min_weight_cosine)
-    result = build(args.gguf, args.out, request, force=args.force,
+    result = build(_model_path(args.gguf), args.out, request, force=args.force,
                    progress=lambda msg: tqdm.write(f"[build] {msg}", file=sys.stderr))
     print(f"built {len(result.built)} and reused {len(result.reused)} packages in "
           f"{result.seconds:.1f}s -> {result.manifest_path}")
@@ -154,7 +176,7 @@ def cmd_probe_layer(args: argparse.Namespace) -> int:
     from ane_spec.probes.synthetic import build_gguf_layer, probe_block
     from ane_spec.runtime.backend import make_backend
 
-    path, config = build_gguf_layer(args.gguf, args.layer, Path(args.out), args.max_seq,
+    path, config = build_gguf_layer(_model_path(args.gguf), args.layer, Path(args.out), args.max_seq,
                                     args.layout, args.weights)
     backend = make_backend(args.backend, precision=args.precision)
     reports = [probe_block(path, config, args.max_seq, args.layout, backend, "layer"),
@@ -291,7 +313,13 @@ def cmd_bench_drafter(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from ane_spec.demo import run_demo
 
-    result = run_demo(args.out, backend=args.backend)
+    if args.model is not None:
+        from ane_spec.demo import run_model_demo
+
+        result = run_model_demo(args.model, args.out, backend=args.backend,
+                                max_seq=args.max_seq, max_tokens=args.max_tokens)
+    else:
+        result = run_demo(args.out, backend=args.backend)
     return 0 if result["identical"] else 1
 
 
@@ -410,20 +438,36 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show the full traceback of an error instead of one line")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    model_help = ("a GGUF path, a catalog model name (`ane-spec pull --list`; downloaded once "
+                  "into the cache) or ollama:NAME[:TAG] (a model in Ollama's store)")
     p = sub.add_parser("demo", help="the whole toolchain on the shipped tiny-code model "
-                                         "(start here)")
+                                         "(start here), or on a real instruct model (--model)")
     p.add_argument("--out", default="local-artifacts/demo")
     p.add_argument("--backend", choices=["mil", "coreml"], default=None,
                    help="coreml on macOS, the MIL interpreter elsewhere (the default)")
+    p.add_argument("--model", help="run the demo on this instruct model instead, with a chat "
+                                   "prompt: " + model_help)
+    p.add_argument("--max-seq", type=int, default=512,
+                   help="with --model: the build's context window (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=64,
+                   help="with --model: the reply's length limit (default %(default)s)")
     p.set_defaults(handler=cmd_demo)
 
+    p = sub.add_parser("pull", help="download a catalog model (a real GGUF, sha256-pinned) into "
+                                    "the cache and print its path")
+    p.add_argument("name", nargs="?", help="catalog model name, e.g. smollm2-135m-instruct")
+    p.add_argument("--list", action="store_true", help="list the catalog and what is cached")
+    p.add_argument("--verify", action="store_true",
+                   help="hash a cached file again instead of trusting its stamp")
+    p.set_defaults(handler=cmd_pull)
+
     p = sub.add_parser("inspect", help="print a GGUF file's config, tensors and tokenizer facts")
-    p.add_argument("gguf")
+    p.add_argument("gguf", help=model_help)
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(handler=cmd_inspect)
 
     p = sub.add_parser("tokenize", help="print the token ids of a text as a JSON list")
-    p.add_argument("gguf")
+    p.add_argument("gguf", help=model_help)
     p.add_argument("--text", required=True)
     p.add_argument("--special", action="store_true",
                    help="parse special tokens such as <|user|> written in the text")
@@ -472,7 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ane_spec.shards.weights import DEFAULT_MIN_WEIGHT_COSINE
 
     p = sub.add_parser("build", help="compile a Phi-4-mini GGUF into Core ML shards + manifest")
-    p.add_argument("gguf")
+    p.add_argument("gguf", help=model_help)
     p.add_argument("--out", required=True, help="output folder, e.g. local-artifacts/phi4")
     p.add_argument("--topology", help="layers per shard (20,4,6,2) or ranges (0:20,20:32); "
                                       "default: fewest shards under --max-shard-mb")

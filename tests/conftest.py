@@ -8,6 +8,9 @@ import pytest
 
 from ane_spec.model.synthetic import preset, write_synthetic_gguf
 
+# smollm2_gguf, qwen_coder_gguf: the catalog's real models, pulled once into the user's cache.
+pytest_plugins = ("tests.real_models",)
+
 
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:

