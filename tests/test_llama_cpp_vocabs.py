@@ -176,3 +176,22 @@ def test_smollm2_chat_template(smollm2_tokenizer: Tokenizer) -> None:
                                {"role": "user", "content": "Hi"}],
                               template=tok.data.chat_template)
     assert with_system.startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
+
+
+# -- chat templates ----------------------------------------------------------------------------
+
+def test_chat_templates_are_llama_cpps(llama_cpp_dir: Path) -> None:
+    """The templates chat_templates.py carries are the files llama.cpp tests against (Qwen3's
+    is a later revision of the model's template than llama.cpp's copy, rewritten so that
+    list contents render), and llama.cpp's render through the project's renderer."""
+    from ane_spec.model.chat import render_chat
+    from ane_spec.model.chat_templates import LLAMA32_CHAT_TEMPLATE, QWEN25_CHAT_TEMPLATE
+
+    templates = llama_cpp_dir / "models" / "templates"
+    assert (templates / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text() == QWEN25_CHAT_TEMPLATE
+    assert (templates / "meta-llama-Llama-3.2-3B-Instruct.jinja").read_text() == \
+        LLAMA32_CHAT_TEMPLATE
+    qwen = render_chat([{"role": "user", "content": "Hi"}],
+                       template=(templates / "Qwen-Qwen3-0.6B.jinja").read_text(),
+                       eos_token="<|im_end|>", bos_token="<|endoftext|>")
+    assert qwen == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
