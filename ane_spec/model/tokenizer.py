@@ -1,12 +1,13 @@
-r"""Byte-level BPE tokenizers read from GGUF metadata, tokenizing the way llama.cpp does:
-Phi-4-mini's (`gpt-4o`), Llama 3's (`llama-bpe`) and Qwen 2.5 / 3's (`qwen2`).
+r"""Byte-level BPE tokenizers read from GGUF metadata, tokenizing the way llama.cpp does.
 
 The GGUF carries a GPT-2 style byte-level BPE (`tokenizer.ggml.model = "gpt2"`): every token of
 type NORMAL is a string over the 256-symbol GPT-2 byte-to-unicode alphabet, merges are ranked by
-their index, and the pre-tokenizer named by `tokenizer.ggml.pre` ("gpt-4o", tiktoken's o200k_base
-split pattern; "llama-bpe"; "qwen2") cuts text into words before BPE runs on each word
-separately. The families differ only in the split, in llama3's ignore_merges (a word that is a
-token is not merged up) and default BOS, and in their special tokens.
+their index, and the pre-tokenizer named by `tokenizer.ggml.pre` cuts text into words before BPE
+runs on each word separately. Which names exist, and what each one does, is llama.cpp's table,
+mirrored as data here: PRE_TOKENIZERS (name -> pre type, ignore_merges, default add_bos) and
+PRE_TYPE_EXPRS (pre type -> its split expressions, verbatim). Phi-4-mini is `gpt-4o`, Llama 3
+`llama-bpe`, Qwen 2.5 `qwen2`, SmolLM2 `smollm` (digits one by one, then GPT-2's split),
+DeepSeek, StarCoder, Falcon, Mistral's `tekken`, ... An unknown name is refused by name.
 
 The BPE itself runs in HF `tokenizers` (models.BPE + a Split/ByteLevel pre-tokenizer, the same
 pipeline as Phi-4-mini's tokenizer.json). What `tokenizers` would get wrong relative to llama.cpp
@@ -32,8 +33,10 @@ is handled here instead:
 * Decoding follows llama.cpp's `token_to_piece`: NORMAL tokens are byte-decoded, CONTROL/UNKNOWN
   render as their text unless skipped, USER_DEFINED always render as text, and UNUSED (the
   `[PAD...]` fillers) and other types render as nothing.
-* Tokens named like end-of-generation markers (`<|end|>`, `<|endoftext|>`, ...) are end of
-  generation and CONTROL whatever the file says, as llama.cpp forces them; a duplicated merge keeps
+* End of generation is derived as llama.cpp derives it (`end_of_generation`): EOS, EOT, EOM,
+  the FIM pad/repo/separator tokens, and tokens named like end-of-generation markers
+  (`<|end|>`, `<|im_end|>`, `<|endoftext|>`, ...), which become CONTROL whatever the file says
+  (SmolLM2: `<|endoftext|>`, `<|im_end|>` and `<reponame>`); a duplicated merge keeps
   its first rank (llama.cpp `bpe_ranks.emplace`); a vocabulary with a duplicated token string is
   refused (llama.cpp aborts on one).
 """
