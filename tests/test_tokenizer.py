@@ -334,8 +334,9 @@ def test_incremental_detokenizer_skip_special(tok: Tokenizer) -> None:
 
 def test_tokenizer_data_validation(data: TokenizerData) -> None:
     base = data.model_dump()
-    with pytest.raises(TokenizerError, match="'tekken' is not supported"):
-        TokenizerData(**{**base, "pre": "tekken"})
+    # kimi-k2 is a name llama.cpp knows, but its split is a custom scanner, not a regex.
+    with pytest.raises(TokenizerError, match="'kimi-k2' is not supported"):
+        TokenizerData(**{**base, "pre": "kimi-k2"})
     with pytest.raises(TokenizerError, match="'llama' is not supported"):
         TokenizerData(**{**base, "model": "llama"})
     with pytest.raises(TokenizerError, match="token types"):
@@ -523,3 +524,25 @@ def test_matches_llama_cpp_on_adversarial_text(tmp_path) -> None:
             for special in (False, True):
                 assert ours.decode_bytes([i], skip_special=not special) == their_piece(i, special)
     assert hf_differs > 0  # the revealing vocabulary does expose split differences
+
+
+def test_eog_derived_as_llama_cpp(data: TokenizerData) -> None:
+    """Keys first, then token texts; harmony's <|end|> is no EOG beside <|return|>/<|call|>."""
+    from ane_spec.model.tokenizer import end_of_generation
+
+    tokens = list(data.tokens)
+    n = len(tokens)
+    for k, text in enumerate(("<|return|>", "<|call|>", "<reponame>", "<fim_pad>", "<x>")):
+        tokens[n - 70 + k] = text
+    varied = data.model_copy(update={"tokens": tokens})
+    ids = {t: i for i, t in enumerate(tokens)}
+    types = list(varied.token_types)
+    eog = end_of_generation(varied, ids, types)
+    assert ids["<|end|>"] not in eog and types[ids["<|end|>"]] == TOKEN_USER_DEFINED
+    assert {ids[t] for t in ("<|return|>", "<|call|>", "<reponame>", "<fim_pad>")} <= eog
+    assert types[ids["<reponame>"]] == TOKEN_CONTROL
+    # A key names the token of its kind: <x> is the FIM pad, <fim_pad> is then just a token.
+    keyed = varied.model_copy(update={"fim_token_ids": {"pad": ids["<x>"]},
+                                      "eot_token_id": ids["<|user|>"]})
+    eog = end_of_generation(keyed, ids, list(varied.token_types))
+    assert ids["<x>"] in eog and ids["<fim_pad>"] not in eog and ids["<|user|>"] in eog

@@ -361,6 +361,21 @@ def _check_tensor_shapes(tensors: dict[str, Tensor], config: ModelConfig, name: 
             raise GGUFError(f"{name}: tensor '{tname}' has shape {t.shape}, expected {shape}")
 
 
+def fim_token_ids(get: Any) -> dict[str, int]:
+    """tokenizer.ggml.fim_*_token_id by kind; the deprecated prefix/suffix/middle_token_id keys
+    count when present, read after the new ones as llama.cpp reads them."""
+    out: dict[str, int] = {}
+    for kind, key in (("pre", "fim_pre_token_id"), ("suf", "fim_suf_token_id"),
+                      ("mid", "fim_mid_token_id"), ("pad", "fim_pad_token_id"),
+                      ("rep", "fim_rep_token_id"), ("sep", "fim_sep_token_id"),
+                      ("pre", "prefix_token_id"), ("suf", "suffix_token_id"),
+                      ("mid", "middle_token_id")):
+        v = get(key, int, "an integer")
+        if v is not None:
+            out[kind] = v
+    return out
+
+
 def tokenizer_data_from_metadata(meta: dict[str, Any], source: str) -> TokenizerData:
     """`tokenizer.ggml.*` as TokenizerData; every key is type-checked and named on error."""
     prefix = "tokenizer.ggml."
@@ -401,6 +416,9 @@ def tokenizer_data_from_metadata(meta: dict[str, Any], source: str) -> Tokenizer
         add_bos_token=get("add_bos_token", bool, "a boolean", default_add_bos(pre)),
         add_eos_token=get("add_eos_token", bool, "a boolean", False),
         chat_template=get("tokenizer.chat_template", str, "a string"),
+        eot_token_id=get("eot_token_id", int, "an integer"),
+        eom_token_id=get("eom_token_id", int, "an integer"),
+        fim_token_ids=fim_token_ids(get),
     )
     try:
         return TokenizerData(**fields)

@@ -1,12 +1,13 @@
-r"""Byte-level BPE tokenizers read from GGUF metadata, tokenizing the way llama.cpp does:
-Phi-4-mini's (`gpt-4o`), Llama 3's (`llama-bpe`) and Qwen 2.5 / 3's (`qwen2`).
+r"""Byte-level BPE tokenizers read from GGUF metadata, tokenizing the way llama.cpp does.
 
 The GGUF carries a GPT-2 style byte-level BPE (`tokenizer.ggml.model = "gpt2"`): every token of
 type NORMAL is a string over the 256-symbol GPT-2 byte-to-unicode alphabet, merges are ranked by
-their index, and the pre-tokenizer named by `tokenizer.ggml.pre` ("gpt-4o", tiktoken's o200k_base
-split pattern; "llama-bpe"; "qwen2") cuts text into words before BPE runs on each word
-separately. The families differ only in the split, in llama3's ignore_merges (a word that is a
-token is not merged up) and default BOS, and in their special tokens.
+their index, and the pre-tokenizer named by `tokenizer.ggml.pre` cuts text into words before BPE
+runs on each word separately. Which names exist, and what each one does, is llama.cpp's table,
+mirrored as data here: PRE_TOKENIZERS (name -> pre type, ignore_merges, default add_bos) and
+PRE_TYPE_EXPRS (pre type -> its split expressions, verbatim). Phi-4-mini is `gpt-4o`, Llama 3
+`llama-bpe`, Qwen 2.5 `qwen2`, SmolLM2 `smollm` (digits one by one, then GPT-2's split),
+DeepSeek, StarCoder, Falcon, Mistral's `tekken`, ... An unknown name is refused by name.
 
 The BPE itself runs in HF `tokenizers` (models.BPE + a Split/ByteLevel pre-tokenizer, the same
 pipeline as Phi-4-mini's tokenizer.json). What `tokenizers` would get wrong relative to llama.cpp
@@ -32,8 +33,10 @@ is handled here instead:
 * Decoding follows llama.cpp's `token_to_piece`: NORMAL tokens are byte-decoded, CONTROL/UNKNOWN
   render as their text unless skipped, USER_DEFINED always render as text, and UNUSED (the
   `[PAD...]` fillers) and other types render as nothing.
-* Tokens named like end-of-generation markers (`<|end|>`, `<|endoftext|>`, ...) are end of
-  generation and CONTROL whatever the file says, as llama.cpp forces them; a duplicated merge keeps
+* End of generation is derived as llama.cpp derives it (`end_of_generation`): EOS, EOT, EOM,
+  the FIM pad/repo/separator tokens, and tokens named like end-of-generation markers
+  (`<|end|>`, `<|im_end|>`, `<|endoftext|>`, ...), which become CONTROL whatever the file says
+  (SmolLM2: `<|endoftext|>`, `<|im_end|>` and `<reponame>`); a duplicated merge keeps
   its first rank (llama.cpp `bpe_ranks.emplace`); a vocabulary with a duplicated token string is
   refused (llama.cpp aborts on one).
 """
@@ -41,6 +44,7 @@ is handled here instead:
 from __future__ import annotations
 
 import codecs
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterable
 
@@ -59,7 +63,7 @@ TOKEN_BYTE = 6
 _KNOWN_TYPES = frozenset(range(0, 7))
 
 # tiktoken o200k_base, verbatim from Phi-4-mini's tokenizer.json (llama.cpp names it
-# LLAMA_VOCAB_PRE_TYPE_GPT4O, but runs GPT4O_PATTERN_LLAMA_CPP below).
+# LLAMA_VOCAB_PRE_TYPE_GPT4O, but runs its "adapted" form, PRE_TYPE_EXPRS["GPT4O"]).
 GPT4O_PATTERN = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
@@ -67,61 +71,278 @@ GPT4O_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-
-# What llama.cpp actually runs for "gpt-4o" (llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_GPT4O), verbatim.
-GPT4O_PATTERN_LLAMA_CPP = (
-    r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
-    r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-# Llama 3 (LLAMA_VOCAB_PRE_TYPE_LLAMA3) and Qwen 2 (LLAMA_VOCAB_PRE_TYPE_QWEN2): the pattern of
-# the model's tokenizer.json, and llama-vocab.cpp's "adapted" form without the (?i:) group, which
-# is what llama.cpp runs (its custom llama3/qwen2 scanners implement exactly these). Qwen's only
-# difference is single digits (\p{N}) instead of runs of up to three.
+# Llama 3's and Qwen 2's tokenizer.json patterns (Qwen: single digits).
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-LLAMA3_PATTERN_LLAMA_CPP = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-                            r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
-QWEN2_PATTERN_LLAMA_CPP = LLAMA3_PATTERN_LLAMA_CPP.replace(r"\p{N}{1,3}", r"\p{N}")
 
-# The `tokenizer.ggml.pre` names llama.cpp maps to LLAMA3; they also turn on ignore_merges (a
-# word that is itself a token is not merged up) and make add_bos default to true.
-LLAMA3_PRE_NAMES = ("llama3", "llama-v3", "llama-bpe")
 
-#: `tokenizer.ggml.pre` values this module can tokenize, with their split pattern.
+@dataclass(frozen=True)
+class PreTokenizer:
+    """What llama.cpp's `llama_vocab::impl::load` sets for one `tokenizer.ggml.pre` name: the
+    pre type (whose split expressions are PRE_TYPE_EXPRS[pre_type]) and the flags its branch
+    sets. ignore_merges: a word that is itself a token is emitted whole. add_bos: the default of
+    tokenizer.ggml.add_bos_token. clean_spaces: llama.cpp's detokenizer option (recorded; this
+    module's decode is token_to_piece's, which does not use it)."""
+
+    pre_type: str
+    ignore_merges: bool = False
+    add_bos: bool = False
+    clean_spaces: bool = True
+
+    @property
+    def exprs(self) -> tuple[str, ...]:
+        return PRE_TYPE_EXPRS[self.pre_type]
+
+
+# -- llama.cpp's pre-tokenizer table (llama-vocab.cpp), as data ----------------------------------
+#
+# LLAMA_VOCAB_PRE_TYPE_* -> the regex_exprs `llm_tokenizer_bpe` runs, verbatim (C string literals
+# copied as Python ones: "\\p{L}" is the regex \p{L}, "[\r\n]" holds a real CR and LF). Each
+# expression splits every piece the previous one left (unicode_regex_split); how one is run is in
+# `llama_cpp_split`. tests/test_llama_cpp_vocabs.py checks this table against llama.cpp's source.
+# Left out, as their splits are not regexes this module runs: TINY_AYA, AFMOE (custom digit
+# grouping), KIMI_K2 (custom \p{Han} scanner), SUPERBPE (empty lookahead matches), and GEMMA4,
+# SARVAM_MOE, WHITESPACE (no GPT-2 byte encoding).
+PRE_TYPE_EXPRS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(('LLAMA3', 'DBRX', 'SMAUG', 'CHATGLM4'), (
+        "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+    )),
+    **dict.fromkeys(('JAIS2',), (
+        "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s{512}(?!\\S)|\\s{256}(?!\\S)|\\s{128}(?!\\S)|\\s{64}(?!\\S)|\\s{32}(?!\\S)|\\s{16}(?!\\S)|\\s{8}(?!\\S)|\\s{4}(?!\\S)|\\s{1,2}(?!\\S)|\\s{1}",
+    )),
+    **dict.fromkeys(('DEEPSEEK_LLM',), (
+        '[\r\n]',
+        '\\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+',
+        '\\s?[!-/:-~！-／：-～‘-‟\u3000-。]+',
+        '\\s+$',
+        '[一-龥ࠀ-一가-\ud7ff]+',
+        '\\p{N}+',
+    )),
+    **dict.fromkeys(('DEEPSEEK3_LLM', 'HUNYUAN_DENSE', 'JOYAI_LLM', 'HY_V4'), (
+        '\\p{N}{1,3}',
+        '[一-龥\u3040-ゟ゠-ヿ]+',
+        '[!"#$%&\'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+',
+    )),
+    **dict.fromkeys(('SPARK2_5',), (
+        '\\p{N}{1,3}',
+        '[一-龥\u3040-ゟ゠-ヿ]+',
+        '[!"#$%&\'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+|[\r\n]|\\s+(?!\\S)|\\s+',
+        '\\p{N}',
+    )),
+    **dict.fromkeys(('YOUTU',), (
+        '[가-힣ㄱ-ㆎ]+|[！…“”‘’—：；，、-〿︰-﹏]+|[ㄅ-ㄯ]+|[一-龥\u3040-ゟ゠-ヿ]+',
+        "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+    )),
+    **dict.fromkeys(('DEEPSEEK_CODER',), (
+        '[\r\n]',
+        '\\s?\\p{L}+',
+        '\\s?\\p{P}+',
+        '[一-龥ࠀ-一가-\ud7ff]+',
+        '\\p{N}',
+    )),
+    **dict.fromkeys(('FALCON',), (
+        '[\\p{P}\\$\\+<=>\\^~\\|`]+',
+        "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)",
+        '[0-9][0-9][0-9]',
+    )),
+    **dict.fromkeys(('STARCODER', 'REFACT', 'COMMAND_R', 'SMOLLM', 'CODESHELL', 'EXAONE', 'MINERVA', 'MELLUM2'), (
+        '\\p{N}',
+        "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)",
+    )),
+    **dict.fromkeys(('GPT2', 'MPT', 'OLMO', 'JAIS', 'TRILLION', 'GRANITE_DOCLING'), (
+        "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)",
+    )),
+    **dict.fromkeys(('STABLELM2', 'QWEN2', 'HUNYUAN', 'SOLAR_OPEN', 'GROK_2'), (
+        "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+    )),
+    **dict.fromkeys(('QWEN35',), (
+        "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+    )),
+    **dict.fromkeys(('PORO', 'BLOOM', 'GPT3_FINNISH'), (
+        ' ?[^(\\s|.,!?…。，、।۔،)]+',
+    )),
+    **dict.fromkeys(('VIKING',), (
+        ' ?[^(\\s|.,!?…。，、।۔،)]+',
+        '\\p{N}',
+    )),
+    **dict.fromkeys(('TEKKEN',), (
+        '[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))*((?=[\\p{L}])([^A-Z]))+|[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))+((?=[\\p{L}])([^A-Z]))*|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+',
+    )),
+    **dict.fromkeys(('CHAMELEON',), (
+        '<sentinel:[0-9]+>',
+        '(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z',
+        '([\\t\\n]|    |  )',
+        '\\p{N}',
+        '[\\p{P}!-/:-@\\[-`{-~]',
+        "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)",
+    )),
+    **dict.fromkeys(('GPT4O', 'MINIMAX_M2'), (
+        "[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))*((?=[\\p{L}])([^A-Z]))+(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))+((?=[\\p{L}])([^A-Z]))*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+    )),
+    **dict.fromkeys(('GRANITE_EMB_MULTI',), (
+        "[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}\\p{M}])([^a-z]))*((?=[\\p{L}\\p{M}])([^A-Z]))+(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}\\p{M}])([^a-z]))+((?=[\\p{L}\\p{M}])([^A-Z]))*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+    )),
+    **dict.fromkeys(('BAILINGMOE',), (
+        "'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]|\\s+(?!\\S)|\\s+",
+    )),
+    **dict.fromkeys(('SEED_CODER',), (
+        "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1}| ?[^\\s\\p{L}\\p{N}\\r\\n]+|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+    )),
+    **dict.fromkeys(('UFAKZEKA',), (
+        '[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+',
+    )),
+    **dict.fromkeys(('LAGUNA',), (
+        '[^\\n]+|[\\n]+',
+        "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+    )),
+    **dict.fromkeys(('EXAONE_MOE',), (
+        "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?(?:\\p{L}\\p{M}*(?: \\p{L}\\p{M}*)*)+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]?|\\s*[\\r\\n]|\\s+(?!\\S)|\\s+",
+    )),
+    **dict.fromkeys(('MINICPM5',), (
+        '\\p{N}{1,3}',
+        "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}+| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+    )),
+    **dict.fromkeys(('DEFAULT',), (
+        '[\\p{P}\\$\\+<=>\\^~\\|]+',
+        "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)",
+        '\\p{N}+',
+        '[0-9][0-9][0-9]',
+    )),
+}
+
+# `tokenizer.ggml.pre` name -> its pre type and flags, one line per name as llama.cpp's if/else
+# chain has them (names that also set add_sep, jina-v1-en, jina-v2-code and roberta-bpe, are
+# left out: BERT-style separators are not supported).
+PRE_TOKENIZERS: dict[str, PreTokenizer] = {
+    'default': PreTokenizer('DEFAULT'),
+    'minicpm5': PreTokenizer('MINICPM5', ignore_merges=True),
+    'llama3': PreTokenizer('LLAMA3', ignore_merges=True, add_bos=True),
+    'llama-v3': PreTokenizer('LLAMA3', ignore_merges=True, add_bos=True),
+    'llama-bpe': PreTokenizer('LLAMA3', ignore_merges=True, add_bos=True),
+    'falcon3': PreTokenizer('LLAMA3', ignore_merges=True, add_bos=True),
+    'falcon-h1': PreTokenizer('LLAMA3', ignore_merges=True, add_bos=True),
+    'pixtral': PreTokenizer('LLAMA3', ignore_merges=True, add_bos=True),
+    'midm-2.0': PreTokenizer('LLAMA3', ignore_merges=True, add_bos=True),
+    'lfm2': PreTokenizer('LLAMA3', ignore_merges=True, add_bos=True),
+    'jina-v5-nano': PreTokenizer('LLAMA3', ignore_merges=True, add_bos=True),
+    'deepseek-llm': PreTokenizer('DEEPSEEK_LLM', clean_spaces=False),
+    'deepseek-coder': PreTokenizer('DEEPSEEK_CODER', clean_spaces=False),
+    'deepseek-v3': PreTokenizer('DEEPSEEK3_LLM', clean_spaces=False),
+    'spark2_5': PreTokenizer('SPARK2_5', clean_spaces=False),
+    'youtu': PreTokenizer('YOUTU', ignore_merges=True, clean_spaces=False),
+    'falcon': PreTokenizer('FALCON'),
+    'mpt': PreTokenizer('MPT'),
+    'starcoder': PreTokenizer('STARCODER'),
+    'gpt-2': PreTokenizer('GPT2'),
+    'phi-2': PreTokenizer('GPT2'),
+    'jina-es': PreTokenizer('GPT2'),
+    'jina-de': PreTokenizer('GPT2'),
+    'gigachat': PreTokenizer('GPT2'),
+    'jina-v2-es': PreTokenizer('GPT2'),
+    'jina-v2-de': PreTokenizer('GPT2'),
+    'a.x-4.0': PreTokenizer('GPT2'),
+    'mellum': PreTokenizer('GPT2'),
+    'modern-bert': PreTokenizer('GPT2'),
+    'jais-2': PreTokenizer('JAIS2'),
+    'refact': PreTokenizer('REFACT'),
+    'command-r': PreTokenizer('COMMAND_R', clean_spaces=False),
+    'qwen2': PreTokenizer('QWEN2', clean_spaces=False),
+    'deepseek-r1-qwen': PreTokenizer('QWEN2', clean_spaces=False),
+    'kormo': PreTokenizer('QWEN2', clean_spaces=False),
+    'f2llmv2': PreTokenizer('QWEN2', clean_spaces=False),
+    'qwen35': PreTokenizer('QWEN35', clean_spaces=False),
+    'stablelm2': PreTokenizer('STABLELM2'),
+    'olmo': PreTokenizer('OLMO'),
+    'dbrx': PreTokenizer('DBRX'),
+    'smaug-bpe': PreTokenizer('SMAUG'),
+    'poro-chat': PreTokenizer('PORO', clean_spaces=False),
+    'chatglm-bpe': PreTokenizer('CHATGLM4'),
+    'glm4': PreTokenizer('CHATGLM4', ignore_merges=True),
+    'glm5': PreTokenizer('CHATGLM4', ignore_merges=True),
+    'viking': PreTokenizer('VIKING', clean_spaces=False),
+    'jais': PreTokenizer('JAIS'),
+    'tekken': PreTokenizer('TEKKEN', ignore_merges=True, add_bos=True, clean_spaces=False),
+    'smollm': PreTokenizer('SMOLLM', clean_spaces=False),
+    'codeshell': PreTokenizer('CODESHELL'),
+    'bloom': PreTokenizer('BLOOM'),
+    'gpt3-finnish': PreTokenizer('GPT3_FINNISH'),
+    'exaone': PreTokenizer('EXAONE'),
+    'exaone4': PreTokenizer('GPT2'),
+    'exaone-moe': PreTokenizer('EXAONE_MOE'),
+    'chameleon': PreTokenizer('CHAMELEON', add_bos=True, clean_spaces=False),
+    'minerva-7b': PreTokenizer('MINERVA'),
+    'megrez': PreTokenizer('QWEN2'),
+    'gpt-4o': PreTokenizer('GPT4O', clean_spaces=False),
+    'llama4': PreTokenizer('GPT4O', clean_spaces=False),
+    'kanana2': PreTokenizer('GPT4O', clean_spaces=False),
+    'talkie': PreTokenizer('GPT4O', clean_spaces=False),
+    'granite-embed-multi-97m': PreTokenizer('GRANITE_EMB_MULTI', ignore_merges=True, clean_spaces=False),
+    'trillion': PreTokenizer('TRILLION', clean_spaces=False),
+    'granite-docling': PreTokenizer('GRANITE_DOCLING', clean_spaces=False),
+    'bailingmoe': PreTokenizer('BAILINGMOE', clean_spaces=False),
+    'bailingmoe2': PreTokenizer('BAILINGMOE', clean_spaces=False),
+    'llada-moe': PreTokenizer('BAILINGMOE', clean_spaces=False),
+    'seed-coder': PreTokenizer('SEED_CODER', clean_spaces=False),
+    'hunyuan': PreTokenizer('HUNYUAN', clean_spaces=False),
+    'hunyuan-dense': PreTokenizer('HUNYUAN_DENSE', clean_spaces=False),
+    'hy_v4': PreTokenizer('HY_V4', clean_spaces=False),
+    'joyai-llm': PreTokenizer('JOYAI_LLM', clean_spaces=False),
+    'ufakzeka': PreTokenizer('UFAKZEKA', clean_spaces=False),
+    'grok-2': PreTokenizer('GROK_2', clean_spaces=False),
+    'laguna': PreTokenizer('LAGUNA', clean_spaces=False),
+    'minimax-m2': PreTokenizer('MINIMAX_M2', clean_spaces=False),
+    'solar-open': PreTokenizer('SOLAR_OPEN', clean_spaces=False),
+    'mellum2': PreTokenizer('MELLUM2'),
+}
+
+#: tokenizer.json patterns for the names `split="hf"` can run (as HF tokenizers would).
 PRE_TOKENIZER_PATTERNS: dict[str, str] = {
     "gpt-4o": GPT4O_PATTERN, "qwen2": QWEN2_PATTERN,
-    **{name: LLAMA3_PATTERN for name in LLAMA3_PRE_NAMES}}
-#: ... and the form llama.cpp runs over collapsed text.
-LLAMA_CPP_PATTERNS: dict[str, str] = {
-    "gpt-4o": GPT4O_PATTERN_LLAMA_CPP, "qwen2": QWEN2_PATTERN_LLAMA_CPP,
-    **{name: LLAMA3_PATTERN_LLAMA_CPP for name in LLAMA3_PRE_NAMES}}
+    **{name: LLAMA3_PATTERN for name in ("llama3", "llama-v3", "llama-bpe")}}
+# Compatibility names: llama.cpp's adapted gpt-4o/llama3/qwen2 expressions.
+GPT4O_PATTERN_LLAMA_CPP = PRE_TYPE_EXPRS["GPT4O"][0]
+LLAMA3_PATTERN_LLAMA_CPP = PRE_TYPE_EXPRS["LLAMA3"][0]
+QWEN2_PATTERN_LLAMA_CPP = PRE_TYPE_EXPRS["QWEN2"][0]
+LLAMA3_PRE_NAMES = tuple(n for n, p in PRE_TOKENIZERS.items() if p.pre_type == "LLAMA3")
 
 
 def default_add_bos(pre: str) -> bool:
     """llama.cpp's add_bos when the GGUF has no tokenizer.ggml.add_bos_token key."""
-    return pre in LLAMA3_PRE_NAMES
+    known = PRE_TOKENIZERS.get(pre)
+    return known is not None and known.add_bos
+
 
 SPLIT_MODES = ("llama.cpp", "hf")
 
-# Token texts llama.cpp treats as end-of-generation whatever their id or type (its
-# `special_eog_ids` scan, which also forces them to CONTROL). Phi-4-mini has two of them:
-# <|endoftext|> and <|end|>.
+# llama-vocab.cpp's token-text scans (its "auto-detect special tokens by text"), in its order.
+# Tokens with these texts become end of generation and CONTROL whatever the file says.
 EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>",
              "<|calls|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>",
              "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>", "<eos>",
-             "<｜end▁of▁sentence｜>")
-# Fill-in-the-middle tokens llama.cpp finds by name and forces to CONTROL; the pad, repo and
-# file-separator ones also end generation (llama-vocab.cpp, special_fim_*_id).
-FIM_TEXTS = ("<|fim_prefix|>", "<fim-prefix>", "<PRE>", "<|fim_suffix|>", "<fim-suffix>",
-             "<SUF>", "<|fim_middle|>", "<fim-middle>", "<MID>")
-FIM_EOG_TEXTS = ("<|fim_pad|>", "<fim-pad>", "<PAD>", "<|fim_repo|>", "<|repo_name|>",
-                 "<fim-repo>", "<REPO>", "<|file_sep|>")
+             "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[")
+# special_eot_id / special_eom_id when the file names none (all of them are EOG_TEXTS too).
+EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+             "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>",
+             "<end_of_utterance>")
+EOM_TEXTS = ("<|eom_id|>",)
+# Fill-in-the-middle tokens, by kind: each kind's token (from its tokenizer.ggml.fim_*_token_id
+# key, else the first token found with one of these texts) is forced to CONTROL; the pad, repo
+# and file-separator ones also end generation.
+FIM_KIND_TEXTS: dict[str, tuple[str, ...]] = {
+    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>",
+            "▁<PRE>", "<|code_prefix|>", "<|prefix|>"),
+    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>",
+            "▁<SUF>", "<|code_suffix|>", "<|suffix|>"),
+    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>",
+            "▁<MID>", "<|code_middle|>", "<|middle|>"),
+    "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "sep": ("<|file_sep|>",),
+}
+FIM_EOG_KINDS = ("pad", "rep", "sep")
+FIM_TEXTS = tuple(t for k in ("pre", "suf", "mid") for t in FIM_KIND_TEXTS[k])
+FIM_EOG_TEXTS = tuple(t for k in FIM_EOG_KINDS for t in FIM_KIND_TEXTS[k])
 
 
 @lru_cache(maxsize=1)
@@ -191,8 +412,12 @@ _COLLAPSED_CLASS = {
     "L": "\xd2A-Za-z",
     "P": "\xd3!-#%-*,-/:-;?-@\\[-\\]_\\{\\}",
     "M": "\xd4",
-    "S": "\xd5\\$\\+<->\\^`\\|",
+    "S": "\xd5\\$\\+<->\\^`\\|\\~",
 }
+# The \p{..} names llama.cpp collapses (k_ucat_enum); an expression naming none of them runs on
+# the text itself.
+_COLLAPSED_NAMES = {"N": "N", "L": "L", "P": "P", "M": "M", "S": "S",
+                    "Lu": "L", "Ll": "L", "Lt": "L", "Lm": "L", "Lo": "L"}
 
 
 @lru_cache(maxsize=1)
@@ -246,8 +471,9 @@ def collapse_regex(expr: str) -> str:
             continue
         if expr.startswith("\\p{", i):
             close = expr.find("}", i + 3)
-            cls = _COLLAPSED_CLASS.get(expr[i + 3:close]) if close > 0 else None
-            if cls is not None:
+            name = _COLLAPSED_NAMES.get(expr[i + 3:close]) if close > 0 else None
+            if name is not None:
+                cls = _COLLAPSED_CLASS[name]
                 out.append(cls if inside else f"[{cls}]")
                 i = close + 1
                 continue
@@ -256,28 +482,89 @@ def collapse_regex(expr: str) -> str:
     return "".join(out)
 
 
+def _uses_collapse(expr: str) -> bool:
+    """Whether llama.cpp runs `expr` over collapsed text (it names a \\p{..} category)."""
+    return any(f"\\p{{{name}}}" in expr for name in _COLLAPSED_NAMES)
+
+
+def _ecmascript_to_python(expr: str) -> str:
+    """The few places where std::regex (ECMAScript) and Python's `re` read one expression
+    differently: `$` outside a class is the end of the input only (Python's also matches before
+    a final newline), so it becomes `\\Z`."""
+    out: list[str] = []
+    inside = False
+    i = 0
+    while i < len(expr):
+        c = expr[i]
+        if c == "\\":
+            out.append(expr[i:i + 2])
+            i += 2
+            continue
+        if c == "[" and not inside:
+            inside = True
+        elif c == "]" and inside:
+            inside = False
+        out.append("\\Z" if c == "$" and not inside else c)
+        i += 1
+    return "".join(out)
+
+
+@lru_cache(maxsize=1)
+def _whitespace_table() -> dict[int, int]:
+    """`str.translate` table for expressions run without collapsing: llama.cpp replaces
+    non-ASCII White_Space by 0x0B there too (std::wregex's \\s knows only ASCII)."""
+    return {cp: 0x0B for cp in _LLAMA_WHITESPACE if cp >= 0x80}
+
+
 @lru_cache(maxsize=None)
-def _llama_cpp_regex(pre: str):  # -> re.Pattern[str]
+def _compiled_exprs(pre_type: str) -> tuple[tuple[bool, object], ...]:
+    """(collapsed?, compiled regex) for each of the pre type's expressions."""
     import re
 
-    # ASCII: std::regex's \s is C isspace ([ \t\n\v\f\r]); non-ASCII is collapsed anyway.
-    return re.compile(collapse_regex(LLAMA_CPP_PATTERNS[pre]), re.ASCII)
+    # re.ASCII: std::regex's \s is C isspace ([ \t\n\v\f\r]), \d is [0-9]; non-ASCII
+    # whitespace has become 0x0B by then.
+    out = []
+    for expr in PRE_TYPE_EXPRS[pre_type]:
+        collapsed = _uses_collapse(expr)
+        source = _ecmascript_to_python(collapse_regex(expr) if collapsed else expr)
+        out.append((collapsed, re.compile(source, re.ASCII)))
+    return tuple(out)
 
 
 def llama_cpp_split(text: str, pre: str = "gpt-4o") -> list[str]:
-    """The words llama.cpp's pre-tokenizer `pre` cuts `text` into (unicode_regex_split_stl)."""
-    collapsed = text.translate(_collapse_table())
-    words: list[str] = []
-    pos = 0
-    for m in _llama_cpp_regex(pre).finditer(collapsed):
-        start, end = m.span()
-        if start > pos:  # unmatched stretches become words too
-            words.append(text[pos:start])
-        words.append(text[start:end])
-        pos = end
-    if pos < len(text):
-        words.append(text[pos:])
-    return words
+    """The words llama.cpp's pre-tokenizer `pre` cuts `text` into (unicode_regex_split).
+
+    Each of the pre type's expressions runs over every piece the previous ones left (the
+    pieces are regex_iterator ranges: a match never crosses a piece's end, and lookaheads stop
+    there); text between matches becomes a piece too. An expression naming a \\p{..} category
+    runs over the collapsed text, the others over the text with non-ASCII whitespace as 0x0B.
+    """
+    known = PRE_TOKENIZERS.get(pre)
+    if known is None:
+        raise TokenizerError(f"pre-tokenizer {untrusted(pre)} is not supported")
+    compiled = _compiled_exprs(known.pre_type)
+    views: dict[bool, str] = {}
+    spans = [(0, len(text))] if text else []
+    for collapsed, rx in compiled:
+        view = views.get(collapsed)
+        if view is None:
+            view = views[collapsed] = text.translate(
+                _collapse_table() if collapsed else _whitespace_table())
+        out: list[tuple[int, int]] = []
+        for lo, hi in spans:
+            pos = 0
+            piece = view[lo:hi]
+            for m in rx.finditer(piece):  # type: ignore[attr-defined]
+                start, end = m.span()
+                if start > pos:  # unmatched stretches become pieces too
+                    out.append((lo + pos, lo + start))
+                if end > start:
+                    out.append((lo + start, lo + end))
+                pos = end
+            if pos < hi - lo:
+                out.append((lo + pos, hi))
+        spans = out
+    return [text[lo:hi] for lo, hi in spans]
 
 
 class TokenizerData(BaseModel):
@@ -297,6 +584,11 @@ class TokenizerData(BaseModel):
     add_bos_token: bool = False
     add_eos_token: bool = False
     chat_template: str | None = None
+    # tokenizer.ggml.eot_token_id, eom_token_id and fim_{pre,suf,mid,pad,rep,sep}_token_id,
+    # when the file has them (llama.cpp otherwise finds these tokens by their text).
+    eot_token_id: int | None = None
+    eom_token_id: int | None = None
+    fim_token_ids: dict[str, int] = {}
 
     @model_validator(mode="after")
     def _check(self) -> "TokenizerData":
@@ -304,10 +596,10 @@ class TokenizerData(BaseModel):
             raise TokenizerError(
                 f"tokenizer model {untrusted(self.model)} is not supported; only 'gpt2' "
                 "(byte-level BPE, as in Phi-4-mini) is")
-        if self.pre not in PRE_TOKENIZER_PATTERNS:
+        if self.pre not in PRE_TOKENIZERS:
             raise TokenizerError(
                 f"pre-tokenizer {untrusted(self.pre)} is not supported; supported: "
-                f"{', '.join(sorted(PRE_TOKENIZER_PATTERNS))}")
+                f"{', '.join(sorted(PRE_TOKENIZERS))}")
         n = len(self.tokens)
         if n == 0:
             raise TokenizerError("the vocabulary is empty")
@@ -317,8 +609,14 @@ class TokenizerData(BaseModel):
         if bad:
             shown = ", ".join(str(t) for t in bad[:5]) + (" ..." if len(bad) > 5 else "")
             raise TokenizerError(f"unknown token type(s) {shown} (valid: 0-6)")
-        for name in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id"):
-            v = getattr(self, name)
+        bad_kinds = sorted(set(self.fim_token_ids) - set(FIM_KIND_TEXTS))
+        if bad_kinds:
+            raise TokenizerError(f"unknown fill-in-the-middle token kind(s) {bad_kinds}")
+        ids = [(name, getattr(self, name)) for name in (
+            "bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id",
+            "eot_token_id", "eom_token_id")]
+        ids += [(f"fim_{k}_token_id", v) for k, v in self.fim_token_ids.items()]
+        for name, v in ids:
             if v is not None and not 0 <= v < n:
                 raise TokenizerError(f"{name} {v} is outside the vocabulary (0..{n - 1})")
         _check_utf8("token", self.tokens)
@@ -390,6 +688,62 @@ def _split_merge(index: int, merge: str) -> tuple[str, str]:
     return merge[:pos], merge[pos + 1:]
 
 
+def end_of_generation(data: TokenizerData, token_to_id: dict[str, int],
+                      types: list[int]) -> set[int]:
+    """The end-of-generation ids llama.cpp derives for a vocabulary (llama_vocab::impl::load),
+    retyping `types` in place as it does.
+
+    * EOT, EOM and each fill-in-the-middle kind: the id its tokenizer.ggml.*_token_id key names,
+      else the token with one of its texts (EOT_TEXTS, EOM_TEXTS, FIM_KIND_TEXTS), made CONTROL.
+      Where a vocabulary has several texts of one kind, llama.cpp takes whichever its hash map
+      yields first; this takes the lowest id.
+    * End of generation: the FIM pad, repo and separator tokens; every token whose text is in
+      EOG_TEXTS (made CONTROL); EOS, EOT and EOM.
+    * gpt-oss's `<|channel|>` `<|message|>` `<|start|>` `<|constrain|>` become USER_DEFINED.
+    * With `<|return|>` and `<|call|>` (or `<|calls|>` and `<|flush|>`), `<|end|>` is no end of
+      generation but USER_DEFINED; with `<|tool_response>` or `<|plamo:eos|>`, `</s>` is NORMAL.
+    """
+    def by_text(texts: tuple[str, ...]) -> int | None:
+        found = [token_to_id[t] for t in texts if t in token_to_id]
+        if not found:
+            return None
+        types[min(found)] = TOKEN_CONTROL
+        return min(found)
+
+    eot = data.eot_token_id if data.eot_token_id is not None else by_text(EOT_TEXTS)
+    eom = data.eom_token_id if data.eom_token_id is not None else by_text(EOM_TEXTS)
+    fim = {kind: data.fim_token_ids[kind] if kind in data.fim_token_ids else by_text(texts)
+           for kind, texts in FIM_KIND_TEXTS.items()}
+    eog = {fim[k] for k in FIM_EOG_KINDS if fim[k] is not None}
+    for text in EOG_TEXTS:
+        i = token_to_id.get(text)
+        if i is not None:
+            eog.add(i)
+            types[i] = TOKEN_CONTROL
+    for text in ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"):
+        i = token_to_id.get(text)
+        if i is not None:
+            types[i] = TOKEN_USER_DEFINED
+    eog |= {i for i in (data.eos_token_id, eot, eom) if i is not None}
+
+    def eog_id(text: str) -> int | None:
+        i = token_to_id.get(text)
+        return i if i in eog else None
+
+    end = eog_id("<|end|>")
+    calls = eog_id("<|call|>") is not None or eog_id("<|calls|>") is not None
+    if end is not None and calls and (eog_id("<|return|>") is not None
+                                      or eog_id("<|flush|>") is not None):
+        eog.discard(end)
+        types[end] = TOKEN_USER_DEFINED
+    s = eog_id("</s>")
+    if s is not None and (eog_id("<|tool_response>") is not None
+                          or eog_id("<|plamo:eos|>") is not None):
+        eog.discard(s)
+        types[s] = TOKEN_NORMAL
+    return eog
+
+
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text, emitting only complete UTF-8 characters.
 
@@ -415,7 +769,7 @@ class IncrementalDetokenizer:
 
 class Tokenizer:
     """Encode/decode exactly as llama.cpp does for a `gpt2` GGUF vocabulary with one of the
-    pre-tokenizers in PRE_TOKENIZER_PATTERNS."""
+    pre-tokenizers in PRE_TOKENIZERS."""
 
     def __init__(self, data: TokenizerData, *, split: str = "llama.cpp") -> None:
         from tokenizers import Regex, decoders, models, pre_tokenizers
@@ -431,18 +785,9 @@ class Tokenizer:
         self._token_to_id: dict[str, int] = {t: i for i, t in enumerate(self._texts)}
         self._types = list(data.token_types)
 
-        # llama.cpp makes end-of-generation-looking and FIM tokens CONTROL ("its type will be
-        # overridden").
-        eog = set()
-        for text in EOG_TEXTS + FIM_EOG_TEXTS + FIM_TEXTS:
-            i = self._token_to_id.get(text)
-            if i is not None:
-                self._types[i] = TOKEN_CONTROL
-                if text not in FIM_TEXTS:
-                    eog.add(i)
-        if data.eos_token_id is not None:
-            eog.add(data.eos_token_id)
-        self.eog_ids: frozenset[int] = frozenset(eog)
+        # llama.cpp retypes tokens found by their text and derives end of generation from them.
+        self.eog_ids: frozenset[int] = frozenset(
+            end_of_generation(data, self._token_to_id, self._types))
 
         # Special tokens that text can spell, longest first (llama.cpp cache_special_tokens).
         special = [i for i, t in enumerate(self._types)
@@ -464,13 +809,17 @@ class Tokenizer:
                 seen.add(pair)
                 merges.append(pair)
 
-        pattern = PRE_TOKENIZER_PATTERNS[data.pre]
+        pre = PRE_TOKENIZERS[data.pre]
+        pattern = PRE_TOKENIZER_PATTERNS.get(data.pre)
+        if split == "hf" and pattern is None:
+            raise TokenizerError(f"split='hf' needs a tokenizer.json pattern; pre-tokenizer "
+                                 f"{untrusted(data.pre)} has none here")
         try:
             # The Python constructor beats serialising a tokenizer.json for from_str (0.2 s vs
             # 0.7 s at 200k merges).
             bpe = models.BPE(vocab=self._token_to_id, merges=merges, dropout=None,
                              unk_token=None, fuse_unk=False, byte_fallback=False,
-                             ignore_merges=data.pre in LLAMA3_PRE_NAMES)
+                             ignore_merges=pre.ignore_merges)
         except Exception as exc:  # tokenizers raises a bare Exception naming the bad merge
             raise TokenizerError("the BPE vocabulary/merges are inconsistent: "
                                  f"{untrusted(str(exc), 200)}") from None
@@ -480,7 +829,7 @@ class Tokenizer:
         hf.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        ]) if pattern is not None else None
         hf.decoder = decoders.ByteLevel()
         words = HFTokenizer(bpe)
         words.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
