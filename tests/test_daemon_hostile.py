@@ -536,7 +536,7 @@ def test_message_text_never_becomes_special_tokens(srv: Hostile, pipeline) -> No
     end = r.json()["tokens"][0]
     body = {"messages": history, "tools": [tool], "tool_choice": "auto", "max_tokens": 1}
     prompt = srv.post("/v1/chat/completions", body).json()["usage"]["prompt_tokens"]
-    from ane_spec.daemon.app import _chat_prompt
+    from ane_spec.daemon.prepare import _chat_prompt
     from ane_spec.daemon.protocol import ChatCompletionRequest
     from ane_spec.daemon.tool_formats import PHI4
 
