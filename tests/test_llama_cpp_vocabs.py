@@ -2,7 +2,8 @@
 pre-tokenizer table (src/llama-vocab.cpp), from the llama-cpp-python sdist (tests/llama_cpp_source.py
 fetches it once into a cache).
 
-Every case of every BPE vocabulary whose pre-tokenizer is supported must give llama.cpp's ids
+Every case of every vocabulary whose tokenizer is supported (byte-level BPE with a supported
+pre-tokenizer, SentencePiece `llama-spm` and `phi-3`, Gemma 4's BPE) must give llama.cpp's ids
 exactly, tokenized as test-tokenizer-0 does: `common_tokenize(ctx, text, add_special=false,
 parse_special=false)`, so no BOS/EOS is added and CONTROL tokens written in the text are text.
 """
@@ -20,6 +21,7 @@ from ane_spec.model.gguf_format import read_gguf
 from ane_spec.model.tokenizer import (
     PRE_TOKENIZERS,
     PRE_TYPE_EXPRS,
+    RAW_UTF8_PRE_TYPES,
     Tokenizer,
     TokenizerData,
 )
@@ -33,14 +35,10 @@ LEFT_OUT = {
     "gpt-neox": "no .inp/.out cases",
     "nomic-bert-moe": "no .inp/.out cases",
     "bert-bge": "WPM (tokenizer model 'bert'), not byte-level BPE",
-    "llama-spm": "SPM (tokenizer model 'llama'), not byte-level BPE",
-    "phi-3": "SPM (tokenizer model 'llama'), not byte-level BPE",
-    "gemma-4": "tokenizer model 'gemma4': SPM-style BPE over raw UTF-8 (no GPT-2 byte encoding)",
 }
 
 # Pre types left out of PRE_TYPE_EXPRS, and names left out of PRE_TOKENIZERS (tokenizer.py).
-UNSUPPORTED_TYPES = {"TINY_AYA", "AFMOE", "KIMI_K2", "SUPERBPE", "GEMMA4", "SARVAM_MOE",
-                     "WHITESPACE"}
+UNSUPPORTED_TYPES = {"TINY_AYA", "AFMOE", "KIMI_K2", "SUPERBPE", "WHITESPACE"}
 ADD_SEP_NAMES = {"jina-v1-en", "jina-v2-code", "roberta-bpe"}
 
 
@@ -52,7 +50,8 @@ def llama_cpp_dir() -> Path:
 def _vocab_names() -> list[str]:
     # The parametrization must not need the download; every file name is checked below.
     return sorted({"command-r", "deepseek-coder", "deepseek-llm", "falcon", "gpt-2", "llama-bpe",
-                   "mpt", "qwen2", "qwen35", "refact", "starcoder"})
+                   "mpt", "qwen2", "qwen35", "refact", "starcoder", "llama-spm", "phi-3",
+                   "gemma-4"})
 
 
 _TOKENIZERS: dict[str, Tokenizer] = {}
@@ -86,7 +85,7 @@ def test_llama_cpp_vocab_cases(llama_cpp_dir: Path, name: str) -> None:
     path = models / f"ggml-vocab-{name}.gguf"
     cases = read_cases(Path(f"{path}.inp"), Path(f"{path}.out"))
     tok = _tokenizer(models, name)
-    assert tok.data.pre in PRE_TOKENIZERS
+    assert tok.is_spm or tok.data.pre in PRE_TOKENIZERS
     failed = [(text, tok.encode(text), ids) for text, ids in cases.items()
               if tok.encode(text, special=False, add_special=False) != ids]
     assert not failed, f"{name}: {len(failed)}/{len(cases)} cases differ, first: {failed[0]!r}"
@@ -107,11 +106,12 @@ def test_pre_tokenizer_table_mirrors_llama_cpp(llama_cpp_dir: Path) -> None:
         assert ours.ignore_merges == (flags.get("ignore_merges") == "true"), name
         assert ours.add_bos == (flags.get("add_bos") == "true"), name
         assert ours.clean_spaces == (flags.get("clean_spaces") != "false"), name
+        assert ours.escape_whitespaces == (flags.get("escape_whitespaces") == "true"), name
     assert set(PRE_TOKENIZERS) <= set(names)
     assert set(PRE_TYPE_EXPRS) == set(types) - UNSUPPORTED_TYPES
     for kind, exprs in PRE_TYPE_EXPRS.items():
         assert exprs == types[kind]["exprs"], kind
-        assert types[kind]["byte_encode"], kind
+        assert types[kind]["byte_encode"] == (kind not in RAW_UTF8_PRE_TYPES), kind
     for name in ("smollm", "starcoder", "gpt-2", "deepseek-llm", "deepseek-coder",
                  "deepseek-r1-qwen", "tekken", "gpt-4o", "llama3", "llama-bpe", "qwen2"):
         assert name in PRE_TOKENIZERS
@@ -119,7 +119,7 @@ def test_pre_tokenizer_table_mirrors_llama_cpp(llama_cpp_dir: Path) -> None:
 
 def test_unknown_pre_tokenizer_is_refused_by_name(llama_cpp_dir: Path) -> None:
     tok = _tokenizer(llama_cpp_dir / "models", "gpt-2")
-    for name in ("kimi-k2", "gemma4", "no-such-pre"):
+    for name in ("kimi-k2", "afmoe", "no-such-pre"):
         with pytest.raises(TokenizerError, match=f"pre-tokenizer '{name}' is not supported; "
                                                  "supported: .*smollm"):
             TokenizerData(**{**tok.data.model_dump(), "pre": name})
