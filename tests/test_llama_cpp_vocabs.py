@@ -165,7 +165,7 @@ def test_spm_vocabularies_as_llama_cpp_reads_them(llama_cpp_dir: Path) -> None:
     assert llama.token_bytes(llama.id_of("<0x0A>")) == b"\n"
 
     phi3 = _tokenizer(models, "phi-3")
-    assert phi3.data.model_name == "Phi3"
+    assert phi3.data.strip_rule == "phi3"  # general.name "Phi3"
     assert {phi3.token_text(i) for i in phi3.eog_ids} >= {"<|end|>", "<|endoftext|>"}
     # Phi-3's special tokens swallow the whitespace after them (llama.cpp: RSTRIP by name).
     ids = phi3.encode("<|user|>\nHi<|end|>\n<|assistant|>\n", special=True, add_special=True)

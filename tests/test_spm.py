@@ -19,7 +19,6 @@ from ane_spec.model.tokenizer import (
     TOKEN_UNKNOWN,
     TOKEN_USER_DEFINED,
     Tokenizer,
-    TokenizerData,
 )
 
 HEAD = [("<unk>", TOKEN_UNKNOWN), ("<s>", TOKEN_CONTROL), ("</s>", TOKEN_CONTROL)]
@@ -114,6 +113,9 @@ def test_phi3_special_tokens_strip_the_whitespace_after_them() -> None:
         "<|user|>", "▁H", "i", "▁", "<|end|>", "<s>", "▁", "▁H", "i"]
     assert _texts(plain, plain.encode(text, special=True)) == [
         "<|user|>", "▁", "<0x0A>", "▁H", "i", "▁", "<|end|>", "▁", "<0x0A>", "<s>", "▁", "▁H", "i"]
+    # llama.cpp refuses a Phi-3-named vocabulary without the four tokens it sets attributes of.
+    with pytest.raises(TokenizerError, match="lacks <\\|endoftext\\|>"):
+        _spm(pieces, extra=extra[1:], name="my phi-3 model")
     # Across the pieces of a chat prompt too: the message's leading space goes.
     assert phi3.encode_pieces([("<|user|>\n", True), (" Hi ", False), ("<|end|>", True)]) == \
         phi3.encode("<|user|>\n Hi <|end|>", special=True)

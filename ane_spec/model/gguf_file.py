@@ -28,7 +28,12 @@ from ane_spec.model.config import ModelConfig, first_error
 from ane_spec.model.gguf_format import GGUFContents, file_identity, read_gguf
 from ane_spec.model.quant import bf16_to_float32, q8_0_blocks, q8_0_dequantize
 from ane_spec.model.rope import RopeSpec, make_rope_spec
-from ane_spec.model.tokenizer import TokenizerData, default_add_bos, forced_add_bos
+from ane_spec.model.tokenizer import (
+    TokenizerData,
+    default_add_bos,
+    forced_add_bos,
+    strip_rule_for_name,
+)
 
 SUPPORTED_TYPES = {
     GGMLQuantizationType.F32: "F32",
@@ -435,8 +440,8 @@ def tokenizer_data_from_metadata(meta: dict[str, Any], source: str) -> Tokenizer
         scores=(array("scores", (int, float), "numbers")
                 if prefix + "scores" in meta else None),
         add_space_prefix=get("add_space_prefix", bool, "a boolean", spm),
-        model_name=meta.get("general.name") if isinstance(meta.get("general.name"), str)
-        else None,
+        strip_rule=strip_rule_for_name(meta.get("general.name")
+                                       if isinstance(meta.get("general.name"), str) else None),
     )
     try:
         return TokenizerData(**fields)

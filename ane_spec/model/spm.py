@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 from typing import Sequence
 
-from ane_spec.errors import TokenizerError
+from ane_spec.errors import TokenizerError, untrusted
 
 ESCAPED_SPACE = "\u2581"  # ▁, what llama.cpp's llama_escape_whitespace puts for " "
 _CACHE_LIMIT = 1 << 16    # segments kept; the cache is dropped whole when it is full
@@ -152,6 +152,7 @@ class SentencePieceMerger:
             if tid is None:
                 raise TokenizerError(
                     f"the vocabulary has no token for byte 0x{b:02X} (neither <0x{b:02X}> nor "
-                    f"the byte itself), which {piece!r} needs; llama.cpp fails on it too")
+                    f"the byte itself), which {untrusted(piece)} needs; llama.cpp fails on it "
+                    "too")
             out.append(tid)
         return tuple(out)

@@ -1,6 +1,23 @@
-r"""Byte-level BPE tokenizers read from GGUF metadata, tokenizing the way llama.cpp does.
+r"""Tokenizers read from GGUF metadata, tokenizing the way llama.cpp does.
 
-The GGUF carries a GPT-2 style byte-level BPE (`tokenizer.ggml.model = "gpt2"`): every token of
+Three `tokenizer.ggml.model` values are read:
+
+* `llama`: SentencePiece vocabularies (Llama 2, Mistral 7B, TinyLlama, Phi-3, Gemma 3). llama.cpp
+  runs its own score-driven merge over the characters (`llm_tokenizer_spm`, ported in spm.py)
+  with `<0xXX>` byte fallback; spaces are escaped to U+2581 and, with add_space_prefix (the
+  default), text that starts the input or follows a special token gets one first. BOS is added
+  by default; the default BOS/EOS/UNK ids are 1/2/0.
+* `gemma4`, and the `gemma4`/`sarvam-moe` pre-tokenizers of a `gpt2` file: BPE by merge rank,
+  over raw UTF-8 with spaces escaped to U+2581 (not GPT-2 bytes), split only at newlines, with
+  `<0xXX>` byte fallback; llama.cpp always adds BOS for Gemma 4.
+* `gpt2`: byte-level BPE, below.
+
+`decode` is llama.cpp's `llama_detokenize` without its clean_spaces pass (which SentencePiece
+never uses): each token's piece (`token_to_piece`), the first token's leading space dropped where
+add_space_prefix is set. `detokenize` adds clean_spaces and remove_special, exactly; a streaming
+`detokenizer` emits the pieces as llama-server streams them.
+
+The byte-level BPE (`tokenizer.ggml.model = "gpt2"`): every token of
 type NORMAL is a string over the 256-symbol GPT-2 byte-to-unicode alphabet, merges are ranked by
 their index, and the pre-tokenizer named by `tokenizer.ggml.pre` cuts text into words before BPE
 runs on each word separately. Which names exist, and what each one does, is llama.cpp's table,
@@ -30,9 +47,11 @@ is handled here instead:
   `parse_special`); USER_DEFINED tokens are recognised always. Recognition follows llama.cpp's
   `tokenizer_st_partition`: longest token text first, each splitting every remaining text
   fragment at all its occurrences.
-* Decoding follows llama.cpp's `token_to_piece`: NORMAL tokens are byte-decoded, CONTROL/UNKNOWN
-  render as their text unless skipped, USER_DEFINED always render as text, and UNUSED (the
-  `[PAD...]` fillers) and other types render as nothing.
+* Pieces follow llama.cpp's `token_to_piece`: NORMAL tokens are byte-decoded, CONTROL/UNKNOWN
+  render as their text unless skipped, USER_DEFINED always render as text, BYTE tokens
+  (`<0x0A>`) as their byte, and UNUSED (the `[PAD...]` fillers) and UNDEFINED as nothing.
+* Special tokens llama.cpp marks LSTRIP/RSTRIP by model name (Phi-3: every special token but
+  <unk>, <s>, <|endoftext|> swallows the whitespace after it) strip it as they are parsed.
 * End of generation is derived as llama.cpp derives it (`end_of_generation`): EOS, EOT, EOM,
   the FIM pad/repo/separator tokens, and tokens named like end-of-generation markers
   (`<|end|>`, `<|im_end|>`, `<|endoftext|>`, ...), which become CONTROL whatever the file says
@@ -331,6 +350,28 @@ def default_add_bos(pre: str, model: str = "gpt2") -> bool:
     return known is not None and known.add_bos
 
 
+#: llama.cpp's per-model special-token attributes (llama_vocab::impl::load, "Handle per token
+#: attributes"), chosen by general.name: "phi3" (every special token RSTRIP but <unk>, <s>,
+#: <|endoftext|>; </s> too) or "modern-bert" ([MASK] LSTRIP). The jina-v2 pre-tokenizers'
+#: <mask> LSTRIP goes by tokenizer.ggml.pre and comes first.
+STRIP_RULES = (None, "phi3", "modern-bert")
+PHI3_ATTR_TOKENS = ("</s>", "<unk>", "<s>", "<|endoftext|>")
+
+
+def strip_rule_for_name(name: str | None) -> str | None:
+    """The STRIP_RULES entry llama.cpp applies for a model's general.name."""
+    lowered = (name or "").lower()
+    if "phi-3" in lowered or "phi3" in lowered:
+        return "phi3"
+    if "modern-bert" in lowered:
+        return "modern-bert"
+    return None
+
+
+def _jina_mask_rule(pre: str) -> bool:
+    return any(p in pre for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code"))
+
+
 def forced_add_bos(pre: str, model: str = "gpt2") -> bool:
     """Whether llama.cpp adds BOS whatever the file says (its Gemma 4 workaround, PR 21500)."""
     known = PRE_TOKENIZERS.get(pre)
@@ -624,11 +665,12 @@ class TokenizerData(BaseModel):
     fim_token_ids: dict[str, int] = {}
     # tokenizer.ggml.scores (SentencePiece merges go by them; llama.cpp reads 0 without them),
     # tokenizer.ggml.add_space_prefix (SPM: a space before text that starts the prompt or
-    # follows a special token; any model: decoding drops the first token's leading space), and
-    # general.name, by which llama.cpp gives some models' special tokens LSTRIP/RSTRIP.
+    # follows a special token; any model: decoding drops the first token's leading space; the
+    # GGUF reader defaults it to true for SPM), and the rule by which llama.cpp gives some
+    # models' special tokens LSTRIP/RSTRIP, found from general.name (strip_rule_for_name).
     scores: list[float] | None = None
     add_space_prefix: bool = False
-    model_name: str | None = None
+    strip_rule: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "TokenizerData":
@@ -649,6 +691,9 @@ class TokenizerData(BaseModel):
             raise TokenizerError("the vocabulary is empty")
         if self.scores is not None and len(self.scores) < n:
             raise TokenizerError(f"{n} tokens but only {len(self.scores)} scores")
+        if self.strip_rule not in STRIP_RULES:
+            raise TokenizerError(f"strip_rule must be one of {STRIP_RULES}, not "
+                                 f"{untrusted(str(self.strip_rule))}")
         if len(self.token_types) != n:
             raise TokenizerError(f"{n} tokens but {len(self.token_types)} token types")
         bad = sorted(set(self.token_types) - _KNOWN_TYPES)
@@ -680,6 +725,13 @@ class TokenizerData(BaseModel):
                 seen[t] = i
         if self.model != "llama":  # SentencePiece merges go by score; llama.cpp ignores these
             _check_merges(self.merges, frozenset(texts))
+        if self.strip_rule == "phi3" and not _jina_mask_rule(self.pre):
+            missing = [t for t in PHI3_ATTR_TOKENS if t not in texts]
+            if missing:
+                raise TokenizerError(
+                    f"general.name names Phi-3, for which llama.cpp sets attributes of "
+                    f"{', '.join(PHI3_ATTR_TOKENS)}; this vocabulary lacks {', '.join(missing)}, "
+                    "and llama.cpp refuses to load it")
         if self.add_bos_token and self.bos_token_id is None:
             raise TokenizerError("add_bos_token is true but bos_token_id is not set")
         if self.add_eos_token and self.eos_token_id is None:
@@ -920,19 +972,18 @@ class Tokenizer:
         """The LSTRIP and RSTRIP token ids llama.cpp sets by the model's name and pre-tokenizer
         (llama_vocab::impl::load, "Handle per token attributes"): a special token so marked
         swallows the whitespace before (LSTRIP) or after (RSTRIP) it when text spells it."""
-        name = (self.data.model_name or "").lower()
+        rule = self.data.strip_rule
         ids = self._token_to_id
         lstrip: set[int] = set()
         rstrip: set[int] = set()
-        if any(p in self.data.pre for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code")):
+        if _jina_mask_rule(self.data.pre):
             if "<mask>" in ids:
                 lstrip.add(ids["<mask>"])
-        elif "phi-3" in name or "phi3" in name:
+        elif rule == "phi3":  # TokenizerData has checked that these four tokens exist
             rstrip.update(special)
-            rstrip.update(ids[t] for t in ("</s>",) if t in ids)
-            rstrip.difference_update(ids[t] for t in ("<unk>", "<s>", "<|endoftext|>")
-                                     if t in ids)
-        elif "modern-bert" in name and "[MASK]" in ids:
+            rstrip.add(ids["</s>"])
+            rstrip.difference_update(ids[t] for t in ("<unk>", "<s>", "<|endoftext|>"))
+        elif rule == "modern-bert" and "[MASK]" in ids:
             lstrip.add(ids["[MASK]"])
         return frozenset(lstrip), frozenset(rstrip)
 
