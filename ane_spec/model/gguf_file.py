@@ -408,7 +408,9 @@ def tokenizer_data_from_metadata(meta: dict[str, Any], source: str) -> Tokenizer
 
     tokens = array("tokens", str, "strings")
     model = get("model", str, "a string", "gpt2")
-    pre = get("pre", str, "a string", "gpt-4o")
+    # SentencePiece has no pre-tokenizer (llama.cpp: DEFAULT, unused); for gpt2, gpt-4o is
+    # Phi-4-mini's.
+    pre = get("pre", str, "a string", "default" if model == "llama" else "gpt-4o")
     if model == "gemma4":
         pre = "gemma4"  # llama.cpp reads a gemma4 vocabulary with this pre-tokenizer, always
     spm = model == "llama"
