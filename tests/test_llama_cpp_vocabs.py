@@ -2,7 +2,8 @@
 pre-tokenizer table (src/llama-vocab.cpp), from the llama-cpp-python sdist (tests/llama_cpp_source.py
 fetches it once into a cache).
 
-Every case of every BPE vocabulary whose pre-tokenizer is supported must give llama.cpp's ids
+Every case of every vocabulary whose tokenizer is supported (byte-level BPE with a supported
+pre-tokenizer, SentencePiece `llama-spm` and `phi-3`, Gemma 4's BPE) must give llama.cpp's ids
 exactly, tokenized as test-tokenizer-0 does: `common_tokenize(ctx, text, add_special=false,
 parse_special=false)`, so no BOS/EOS is added and CONTROL tokens written in the text are text.
 """
@@ -20,6 +21,7 @@ from ane_spec.model.gguf_format import read_gguf
 from ane_spec.model.tokenizer import (
     PRE_TOKENIZERS,
     PRE_TYPE_EXPRS,
+    RAW_UTF8_PRE_TYPES,
     Tokenizer,
     TokenizerData,
 )
@@ -33,14 +35,10 @@ LEFT_OUT = {
     "gpt-neox": "no .inp/.out cases",
     "nomic-bert-moe": "no .inp/.out cases",
     "bert-bge": "WPM (tokenizer model 'bert'), not byte-level BPE",
-    "llama-spm": "SPM (tokenizer model 'llama'), not byte-level BPE",
-    "phi-3": "SPM (tokenizer model 'llama'), not byte-level BPE",
-    "gemma-4": "tokenizer model 'gemma4': SPM-style BPE over raw UTF-8 (no GPT-2 byte encoding)",
 }
 
 # Pre types left out of PRE_TYPE_EXPRS, and names left out of PRE_TOKENIZERS (tokenizer.py).
-UNSUPPORTED_TYPES = {"TINY_AYA", "AFMOE", "KIMI_K2", "SUPERBPE", "GEMMA4", "SARVAM_MOE",
-                     "WHITESPACE"}
+UNSUPPORTED_TYPES = {"TINY_AYA", "AFMOE", "KIMI_K2", "SUPERBPE", "WHITESPACE"}
 ADD_SEP_NAMES = {"jina-v1-en", "jina-v2-code", "roberta-bpe"}
 
 
@@ -52,7 +50,8 @@ def llama_cpp_dir() -> Path:
 def _vocab_names() -> list[str]:
     # The parametrization must not need the download; every file name is checked below.
     return sorted({"command-r", "deepseek-coder", "deepseek-llm", "falcon", "gpt-2", "llama-bpe",
-                   "mpt", "qwen2", "qwen35", "refact", "starcoder"})
+                   "mpt", "qwen2", "qwen35", "refact", "starcoder", "llama-spm", "phi-3",
+                   "gemma-4"})
 
 
 _TOKENIZERS: dict[str, Tokenizer] = {}
@@ -86,7 +85,7 @@ def test_llama_cpp_vocab_cases(llama_cpp_dir: Path, name: str) -> None:
     path = models / f"ggml-vocab-{name}.gguf"
     cases = read_cases(Path(f"{path}.inp"), Path(f"{path}.out"))
     tok = _tokenizer(models, name)
-    assert tok.data.pre in PRE_TOKENIZERS
+    assert tok.is_spm or tok.data.pre in PRE_TOKENIZERS
     failed = [(text, tok.encode(text), ids) for text, ids in cases.items()
               if tok.encode(text, special=False, add_special=False) != ids]
     assert not failed, f"{name}: {len(failed)}/{len(cases)} cases differ, first: {failed[0]!r}"
@@ -107,11 +106,12 @@ def test_pre_tokenizer_table_mirrors_llama_cpp(llama_cpp_dir: Path) -> None:
         assert ours.ignore_merges == (flags.get("ignore_merges") == "true"), name
         assert ours.add_bos == (flags.get("add_bos") == "true"), name
         assert ours.clean_spaces == (flags.get("clean_spaces") != "false"), name
+        assert ours.escape_whitespaces == (flags.get("escape_whitespaces") == "true"), name
     assert set(PRE_TOKENIZERS) <= set(names)
     assert set(PRE_TYPE_EXPRS) == set(types) - UNSUPPORTED_TYPES
     for kind, exprs in PRE_TYPE_EXPRS.items():
         assert exprs == types[kind]["exprs"], kind
-        assert types[kind]["byte_encode"], kind
+        assert types[kind]["byte_encode"] == (kind not in RAW_UTF8_PRE_TYPES), kind
     for name in ("smollm", "starcoder", "gpt-2", "deepseek-llm", "deepseek-coder",
                  "deepseek-r1-qwen", "tekken", "gpt-4o", "llama3", "llama-bpe", "qwen2"):
         assert name in PRE_TOKENIZERS
@@ -119,10 +119,123 @@ def test_pre_tokenizer_table_mirrors_llama_cpp(llama_cpp_dir: Path) -> None:
 
 def test_unknown_pre_tokenizer_is_refused_by_name(llama_cpp_dir: Path) -> None:
     tok = _tokenizer(llama_cpp_dir / "models", "gpt-2")
-    for name in ("kimi-k2", "gemma4", "no-such-pre"):
+    for name in ("kimi-k2", "afmoe", "no-such-pre"):
         with pytest.raises(TokenizerError, match=f"pre-tokenizer '{name}' is not supported; "
                                                  "supported: .*smollm"):
             TokenizerData(**{**tok.data.model_dump(), "pre": name})
+
+
+# -- SentencePiece (llama-spm, phi-3) and Gemma 4 ---------------------------------------------
+
+SPM_NAMES = ("llama-spm", "phi-3", "gemma-4")
+ROUND_TRIP = ["Hello world", " leading space", "trailing  ", "  two\n\nlines\t\ttabs\r\n",
+              "naïve café, straße — “quotes” …", "数学 日本語 한국어 ไทย हिन्दी", "😀👍🏽🇺🇸 \u200d",
+              "\x00\x01\x1b[0m\x7f", "<s> </s> <unk> <|end|> <start_of_turn> <0x0A>",
+              "def f(x):\n    return x ** 2  # ▁ is U+2581", "▁▁ ▁", "\U0010ffff\ufeff"]
+
+
+@pytest.mark.parametrize("name", SPM_NAMES)
+def test_spm_round_trip(llama_cpp_dir: Path, name: str) -> None:
+    """decode(encode(text)) == text for llama.cpp's cases and varied text; pieces and the
+    incremental decoder agree with decode."""
+    models = llama_cpp_dir / "models"
+    path = models / f"ggml-vocab-{name}.gguf"
+    tok = _tokenizer(models, name)
+    texts = list(read_cases(Path(f"{path}.inp"), Path(f"{path}.out"))) + ROUND_TRIP
+    for original in texts:
+        ids = tok.encode(original)
+        # Text's own "▁" is a space once escaped: llama.cpp cannot tell them apart either.
+        text = original.replace("▁", " ")
+        assert tok.decode(ids) == text, (name, text)
+        det = tok.detokenizer(starts_text=True)
+        assert "".join(det.push(i) for i in ids) + det.flush() == text
+        with_bos = tok.encode(text, add_special=True)
+        assert with_bos[0] == tok.bos_token_id and tok.data.add_bos_token
+        assert tok.decode(with_bos, skip_special=True) == (
+            " " + text if tok.data.add_space_prefix and text else text)
+
+
+def test_spm_vocabularies_as_llama_cpp_reads_them(llama_cpp_dir: Path) -> None:
+    models = llama_cpp_dir / "models"
+    llama = _tokenizer(models, "llama-spm")
+    assert llama.is_spm and llama.data.add_space_prefix and llama.data.scores is not None
+    assert [llama.token_text(i) for i in llama.encode("Hello world")] == ["▁Hello", "▁world"]
+    assert llama.encode("Hi", add_special=True)[0] == 1
+    assert {llama.token_text(i) for i in llama.eog_ids} == {"</s>"}
+    assert llama.token_bytes(llama.id_of("<0x0A>")) == b"\n"
+
+    phi3 = _tokenizer(models, "phi-3")
+    assert phi3.data.strip_rule == "phi3"  # general.name "Phi3"
+    assert {phi3.token_text(i) for i in phi3.eog_ids} >= {"<|end|>", "<|endoftext|>"}
+    # Phi-3's special tokens swallow the whitespace after them (llama.cpp: RSTRIP by name).
+    ids = phi3.encode("<|user|>\nHi<|end|>\n<|assistant|>\n", special=True, add_special=True)
+    assert [phi3.token_text(i) for i in ids] == [
+        "<s>", "<|user|>", "▁Hi", "<|end|>", "<|assistant|>"]
+
+    gemma = _tokenizer(models, "gemma-4")
+    assert not gemma.is_spm and gemma.data.pre == "gemma4" and not gemma.data.add_space_prefix
+    assert gemma.data.add_bos_token and gemma.bos_token_id == gemma.id_of("<bos>")
+    assert [gemma.token_text(i) for i in gemma.encode("Hello world\n\n")] == [
+        "Hello", "▁world", "\n\n"]
+
+
+def test_spm_speed(llama_cpp_dir: Path) -> None:
+    """A few thousand tokens of prompt take milliseconds (cold cache: every word merged)."""
+    import time
+
+    text = (Path(__file__).read_text() + (Path(__file__).parent.parent / "README.md")
+            .read_text())[:60_000]
+    for name in ("llama-spm", "phi-3"):
+        data = _tokenizer(llama_cpp_dir / "models", name).data
+        tok = Tokenizer.from_data(data)  # fresh: nothing cached
+        t0 = time.perf_counter()
+        ids = tok.encode(text)
+        cold = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        assert tok.encode(text) == ids
+        warm = time.perf_counter() - t0
+        print(f"{name}: {len(text)} chars, {len(ids)} tokens: {len(ids) / cold:,.0f} tokens/s "
+              f"cold, {len(ids) / warm:,.0f} warm")
+        assert len(ids) / cold > 20_000  # measured ~400k on one shared core
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("name", SPM_NAMES)
+def test_spm_matches_llama_cpp_on_random_text(llama_cpp_dir: Path, name: str) -> None:
+    """Encoding (special and add_special both ways), llama_detokenize (clean_spaces,
+    remove_special) and every piece, against llama.cpp itself."""
+    import random
+
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    path = llama_cpp_dir / "models" / f"ggml-vocab-{name}.gguf"
+    tok = _tokenizer(llama_cpp_dir / "models", name)
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    buf = (llama_cpp.ctypes.c_char * 4096)()
+    alphabet = ["a", "Z", "re", "'s", "0", "12345", " ", "  ", "   ", "\t", "\r", "\n", "\n\n",
+                "/", ".", " .", " ,", " ' ", "!", "é", "ß", "ж", "中", "あ", "\u0301", "्", "😀",
+                "👍🏽", "\u00a0", "\u2028", "\x85", "\x00", "\u3000", "▁", "<s>", "</s>", "<unk>",
+                "<0x0A>", "<|end|>", "<|user|>", "<|endoftext|>", "<start_of_turn>", "<eos>",
+                "<bos>", "<mask>", " the", " hello", "world"]
+    rng = random.Random(name)
+    for _ in range(400):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 16)))
+        for special in (False, True):
+            for add in (False, True):
+                theirs = llm.tokenize(text.encode(), add_bos=add, special=special)
+                assert tok.encode(text, special=special, add_special=add) == theirs, text
+        ids = tok.encode(text, special=True, add_special=True)
+        arr = (llama_cpp.llama_token * len(ids))(*ids)
+        for unparse in (False, True):
+            for remove in (False, True):
+                n = llama_cpp.llama_detokenize(vocab, arr, len(ids), buf, len(buf), remove,
+                                               unparse)
+                assert tok.detokenize(ids, skip_special=not unparse,
+                                      remove_special=remove).encode() == bytes(buf[:n]), text
+    for i in [*range(400), *range(tok.vocab_size - 400, tok.vocab_size)]:
+        for special in (False, True):
+            n = llama_cpp.llama_token_to_piece(vocab, i, buf, len(buf), 0, special)
+            assert tok.decode_bytes([i], skip_special=not special) == bytes(buf[:n]), i
 
 
 # -- SmolLM2 ---------------------------------------------------------------------------------

@@ -337,8 +337,12 @@ def test_tokenizer_data_validation(data: TokenizerData) -> None:
     # kimi-k2 is a name llama.cpp knows, but its split is a custom scanner, not a regex.
     with pytest.raises(TokenizerError, match="'kimi-k2' is not supported"):
         TokenizerData(**{**base, "pre": "kimi-k2"})
-    with pytest.raises(TokenizerError, match="'llama' is not supported"):
-        TokenizerData(**{**base, "model": "llama"})
+    with pytest.raises(TokenizerError, match="'bert' is not supported"):
+        TokenizerData(**{**base, "model": "bert"})
+    with pytest.raises(TokenizerError, match="'gemma4' goes with pre-tokenizer 'gemma4'"):
+        TokenizerData(**{**base, "model": "gemma4"})
+    with pytest.raises(TokenizerError, match="only 3 scores"):
+        TokenizerData(**{**base, "model": "llama", "scores": [0.0] * 3})
     with pytest.raises(TokenizerError, match="token types"):
         TokenizerData(**{**base, "token_types": base["token_types"][:-1]})
     with pytest.raises(TokenizerError, match="eos_token_id 200064 is outside"):

@@ -28,7 +28,12 @@ from ane_spec.model.config import ModelConfig, first_error
 from ane_spec.model.gguf_format import GGUFContents, file_identity, read_gguf
 from ane_spec.model.quant import bf16_to_float32, q8_0_blocks, q8_0_dequantize
 from ane_spec.model.rope import RopeSpec, make_rope_spec
-from ane_spec.model.tokenizer import TokenizerData, default_add_bos
+from ane_spec.model.tokenizer import (
+    TokenizerData,
+    default_add_bos,
+    forced_add_bos,
+    strip_rule_for_name,
+)
 
 SUPPORTED_TYPES = {
     GGMLQuantizationType.F32: "F32",
@@ -402,23 +407,43 @@ def tokenizer_data_from_metadata(meta: dict[str, Any], source: str) -> Tokenizer
         return value
 
     tokens = array("tokens", str, "strings")
-    pre = get("pre", str, "a string", "gpt-4o")
+    model = get("model", str, "a string", "gpt2")
+    # SentencePiece has no pre-tokenizer (llama.cpp: DEFAULT, unused); for gpt2, gpt-4o is
+    # Phi-4-mini's.
+    pre = get("pre", str, "a string", "default" if model == "llama" else "gpt-4o")
+    if model == "gemma4":
+        pre = "gemma4"  # llama.cpp reads a gemma4 vocabulary with this pre-tokenizer, always
+    spm = model == "llama"
+
+    def default_id(key: str, spm_default: int) -> int | None:
+        """SentencePiece's default <unk>/<s>/</s> ids, where in range (llama.cpp)."""
+        value = get(key, int, "an integer")
+        if value is None and spm and spm_default < len(tokens):
+            return spm_default
+        return value
+
+    add_bos = get("add_bos_token", bool, "a boolean", default_add_bos(pre, model))
     fields = dict(
-        model=get("model", str, "a string", "gpt2"),
+        model=model,
         pre=pre,
         tokens=tokens,
         token_types=array("token_type", int, "integers", [1] * len(tokens)),
         merges=array("merges", str, "strings", []),
-        bos_token_id=get("bos_token_id", int, "an integer"),
-        eos_token_id=get("eos_token_id", int, "an integer"),
-        unknown_token_id=get("unknown_token_id", int, "an integer"),
+        bos_token_id=default_id("bos_token_id", 1),
+        eos_token_id=default_id("eos_token_id", 2),
+        unknown_token_id=default_id("unknown_token_id", 0),
         padding_token_id=get("padding_token_id", int, "an integer"),
-        add_bos_token=get("add_bos_token", bool, "a boolean", default_add_bos(pre)),
+        add_bos_token=add_bos or forced_add_bos(pre, model),
         add_eos_token=get("add_eos_token", bool, "a boolean", False),
         chat_template=get("tokenizer.chat_template", str, "a string"),
         eot_token_id=get("eot_token_id", int, "an integer"),
         eom_token_id=get("eom_token_id", int, "an integer"),
         fim_token_ids=fim_token_ids(get),
+        scores=(array("scores", (int, float), "numbers")
+                if prefix + "scores" in meta else None),
+        add_space_prefix=get("add_space_prefix", bool, "a boolean", spm),
+        strip_rule=strip_rule_for_name(meta.get("general.name")
+                                       if isinstance(meta.get("general.name"), str) else None),
     )
     try:
         return TokenizerData(**fields)

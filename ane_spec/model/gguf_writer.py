@@ -190,6 +190,10 @@ def _add_metadata(w: GGUFWriter, c: ModelConfig, vocab: TokenizerData, name: str
             getattr(w, f"add_{key}_token_id")(value)
     w.add_add_bos_token(vocab.add_bos_token)
     w.add_add_eos_token(vocab.add_eos_token)
+    if vocab.scores is not None:  # SentencePiece merges go by them
+        w.add_token_scores(vocab.scores)
+    if vocab.model == "llama" or vocab.add_space_prefix:  # the reader's default is the model's
+        w.add_add_space_prefix(vocab.add_space_prefix)
     if vocab.chat_template:
         w.add_chat_template(vocab.chat_template)
 

@@ -1,6 +1,23 @@
-r"""Byte-level BPE tokenizers read from GGUF metadata, tokenizing the way llama.cpp does.
+r"""Tokenizers read from GGUF metadata, tokenizing the way llama.cpp does.
 
-The GGUF carries a GPT-2 style byte-level BPE (`tokenizer.ggml.model = "gpt2"`): every token of
+Three `tokenizer.ggml.model` values are read:
+
+* `llama`: SentencePiece vocabularies (Llama 2, Mistral 7B, TinyLlama, Phi-3, Gemma 3). llama.cpp
+  runs its own score-driven merge over the characters (`llm_tokenizer_spm`, ported in spm.py)
+  with `<0xXX>` byte fallback; spaces are escaped to U+2581 and, with add_space_prefix (the
+  default), text that starts the input or follows a special token gets one first. BOS is added
+  by default; the default BOS/EOS/UNK ids are 1/2/0.
+* `gemma4`, and the `gemma4`/`sarvam-moe` pre-tokenizers of a `gpt2` file: BPE by merge rank,
+  over raw UTF-8 with spaces escaped to U+2581 (not GPT-2 bytes), split only at newlines, with
+  `<0xXX>` byte fallback; llama.cpp always adds BOS for Gemma 4.
+* `gpt2`: byte-level BPE, below.
+
+`decode` is llama.cpp's `llama_detokenize` without its clean_spaces pass (which SentencePiece
+never uses): each token's piece (`token_to_piece`), the first token's leading space dropped where
+add_space_prefix is set. `detokenize` adds clean_spaces and remove_special, exactly; a streaming
+`detokenizer` emits the pieces as llama-server streams them.
+
+The byte-level BPE (`tokenizer.ggml.model = "gpt2"`): every token of
 type NORMAL is a string over the 256-symbol GPT-2 byte-to-unicode alphabet, merges are ranked by
 their index, and the pre-tokenizer named by `tokenizer.ggml.pre` cuts text into words before BPE
 runs on each word separately. Which names exist, and what each one does, is llama.cpp's table,
@@ -30,9 +47,11 @@ is handled here instead:
   `parse_special`); USER_DEFINED tokens are recognised always. Recognition follows llama.cpp's
   `tokenizer_st_partition`: longest token text first, each splitting every remaining text
   fragment at all its occurrences.
-* Decoding follows llama.cpp's `token_to_piece`: NORMAL tokens are byte-decoded, CONTROL/UNKNOWN
-  render as their text unless skipped, USER_DEFINED always render as text, and UNUSED (the
-  `[PAD...]` fillers) and other types render as nothing.
+* Pieces follow llama.cpp's `token_to_piece`: NORMAL tokens are byte-decoded, CONTROL/UNKNOWN
+  render as their text unless skipped, USER_DEFINED always render as text, BYTE tokens
+  (`<0x0A>`) as their byte, and UNUSED (the `[PAD...]` fillers) and UNDEFINED as nothing.
+* Special tokens llama.cpp marks LSTRIP/RSTRIP by model name (Phi-3: every special token but
+  <unk>, <s>, <|endoftext|> swallows the whitespace after it) strip it as they are parsed.
 * End of generation is derived as llama.cpp derives it (`end_of_generation`): EOS, EOT, EOM,
   the FIM pad/repo/separator tokens, and tokens named like end-of-generation markers
   (`<|end|>`, `<|im_end|>`, `<|endoftext|>`, ...), which become CONTROL whatever the file says
@@ -51,6 +70,7 @@ from typing import Iterable
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from ane_spec.errors import TokenizerError, untrusted
+from ane_spec.model.spm import escape_whitespace
 
 # llama.cpp's llama_token_type values, as stored in `tokenizer.ggml.token_type`.
 TOKEN_UNDEFINED = 0
@@ -89,10 +109,16 @@ class PreTokenizer:
     ignore_merges: bool = False
     add_bos: bool = False
     clean_spaces: bool = True
+    escape_whitespaces: bool = False
 
     @property
     def exprs(self) -> tuple[str, ...]:
         return PRE_TYPE_EXPRS[self.pre_type]
+
+    @property
+    def byte_encode(self) -> bool:
+        """GPT-2 byte-level tokens; False for SPM-style BPE over raw UTF-8 (Gemma 4)."""
+        return self.pre_type not in RAW_UTF8_PRE_TYPES
 
 
 # -- llama.cpp's pre-tokenizer table (llama-vocab.cpp), as data ----------------------------------
@@ -101,9 +127,11 @@ class PreTokenizer:
 # copied as Python ones: "\\p{L}" is the regex \p{L}, "[\r\n]" holds a real CR and LF). Each
 # expression splits every piece the previous one left (unicode_regex_split); how one is run is in
 # `llama_cpp_split`. tests/test_llama_cpp_vocabs.py checks this table against llama.cpp's source.
+# GEMMA4 and SARVAM_MOE are SPM-style BPE: spaces escaped to U+2581, merges over raw UTF-8 (no
+# GPT-2 byte encoding, RAW_UTF8_PRE_TYPES), unknown characters as `<0xXX>` byte tokens.
 # Left out, as their splits are not regexes this module runs: TINY_AYA, AFMOE (custom digit
-# grouping), KIMI_K2 (custom \p{Han} scanner), SUPERBPE (empty lookahead matches), and GEMMA4,
-# SARVAM_MOE, WHITESPACE (no GPT-2 byte encoding).
+# grouping), KIMI_K2 (custom \p{Han} scanner), SUPERBPE (empty lookahead matches), and
+# WHITESPACE (its own tokenizer session).
 PRE_TYPE_EXPRS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(('LLAMA3', 'DBRX', 'SMAUG', 'CHATGLM4'), (
         "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
@@ -203,6 +231,9 @@ PRE_TYPE_EXPRS: dict[str, tuple[str, ...]] = {
         '\\p{N}{1,3}',
         "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}+| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
     )),
+    **dict.fromkeys(('GEMMA4', 'SARVAM_MOE'), (
+        '[^\\n]+|[\\n]+',
+    )),
     **dict.fromkeys(('DEFAULT',), (
         '[\\p{P}\\$\\+<=>\\^~\\|]+',
         "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)",
@@ -245,6 +276,9 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     'mellum': PreTokenizer('GPT2'),
     'modern-bert': PreTokenizer('GPT2'),
     'jais-2': PreTokenizer('JAIS2'),
+    'gemma4': PreTokenizer('GEMMA4', escape_whitespaces=True),
+    'granite-embed-multi-311m': PreTokenizer('GEMMA4', escape_whitespaces=True),
+    'sarvam-moe': PreTokenizer('SARVAM_MOE', clean_spaces=False, escape_whitespaces=True),
     'refact': PreTokenizer('REFACT'),
     'command-r': PreTokenizer('COMMAND_R', clean_spaces=False),
     'qwen2': PreTokenizer('QWEN2', clean_spaces=False),
@@ -307,13 +341,53 @@ QWEN2_PATTERN_LLAMA_CPP = PRE_TYPE_EXPRS["QWEN2"][0]
 LLAMA3_PRE_NAMES = tuple(n for n, p in PRE_TOKENIZERS.items() if p.pre_type == "LLAMA3")
 
 
-def default_add_bos(pre: str) -> bool:
-    """llama.cpp's add_bos when the GGUF has no tokenizer.ggml.add_bos_token key."""
+def default_add_bos(pre: str, model: str = "gpt2") -> bool:
+    """llama.cpp's add_bos when the GGUF has no tokenizer.ggml.add_bos_token key: true for SPM
+    (`llama`) vocabularies, else what the pre-tokenizer's branch sets."""
+    if model == "llama":
+        return True
     known = PRE_TOKENIZERS.get(pre)
     return known is not None and known.add_bos
 
 
+#: llama.cpp's per-model special-token attributes (llama_vocab::impl::load, "Handle per token
+#: attributes"), chosen by general.name: "phi3" (every special token RSTRIP but <unk>, <s>,
+#: <|endoftext|>; </s> too) or "modern-bert" ([MASK] LSTRIP). The jina-v2 pre-tokenizers'
+#: <mask> LSTRIP goes by tokenizer.ggml.pre and comes first.
+STRIP_RULES = (None, "phi3", "modern-bert")
+PHI3_ATTR_TOKENS = ("</s>", "<unk>", "<s>", "<|endoftext|>")
+
+
+def strip_rule_for_name(name: str | None) -> str | None:
+    """The STRIP_RULES entry llama.cpp applies for a model's general.name."""
+    lowered = (name or "").lower()
+    if "phi-3" in lowered or "phi3" in lowered:
+        return "phi3"
+    if "modern-bert" in lowered:
+        return "modern-bert"
+    return None
+
+
+def _jina_mask_rule(pre: str) -> bool:
+    return any(p in pre for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code"))
+
+
+def forced_add_bos(pre: str, model: str = "gpt2") -> bool:
+    """Whether llama.cpp adds BOS whatever the file says (its Gemma 4 workaround, PR 21500)."""
+    known = PRE_TOKENIZERS.get(pre)
+    return model != "llama" and known is not None and known.pre_type == "GEMMA4"
+
+
+#: `tokenizer.ggml.model` values: byte-level BPE, SentencePiece, and Gemma 4's BPE (always read
+#: with the `gemma4` pre-tokenizer).
+TOKENIZER_MODELS = ("gpt2", "llama", "gemma4")
+
+
 SPLIT_MODES = ("llama.cpp", "hf")
+#: Pre types whose tokens are raw UTF-8 with spaces as U+2581, not GPT-2 byte-level strings.
+RAW_UTF8_PRE_TYPES = frozenset({"GEMMA4", "SARVAM_MOE"})
+# C isspace(): what LSTRIP/RSTRIP special tokens strip beside them (tokenizer_st_partition).
+_C_SPACE = " \t\n\v\f\r"
 
 # llama-vocab.cpp's token-text scans (its "auto-detect special tokens by text"), in its order.
 # Tokens with these texts become end of generation and CONTROL whatever the file says.
@@ -589,20 +663,37 @@ class TokenizerData(BaseModel):
     eot_token_id: int | None = None
     eom_token_id: int | None = None
     fim_token_ids: dict[str, int] = {}
+    # tokenizer.ggml.scores (SentencePiece merges go by them; llama.cpp reads 0 without them),
+    # tokenizer.ggml.add_space_prefix (SPM: a space before text that starts the prompt or
+    # follows a special token; any model: decoding drops the first token's leading space; the
+    # GGUF reader defaults it to true for SPM), and the rule by which llama.cpp gives some
+    # models' special tokens LSTRIP/RSTRIP, found from general.name (strip_rule_for_name).
+    scores: list[float] | None = None
+    add_space_prefix: bool = False
+    strip_rule: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "TokenizerData":
-        if self.model != "gpt2":
+        if self.model not in TOKENIZER_MODELS:
             raise TokenizerError(
-                f"tokenizer model {untrusted(self.model)} is not supported; only 'gpt2' "
-                "(byte-level BPE, as in Phi-4-mini) is")
-        if self.pre not in PRE_TOKENIZERS:
+                f"tokenizer model {untrusted(self.model)} is not supported; supported: 'gpt2' "
+                "(byte-level BPE: Phi-4-mini, Llama 3, Qwen), 'llama' (SentencePiece: Llama 2, "
+                "Mistral, Phi-3, Gemma 3) and 'gemma4'")
+        if self.model != "llama" and self.pre not in PRE_TOKENIZERS:
             raise TokenizerError(
                 f"pre-tokenizer {untrusted(self.pre)} is not supported; supported: "
                 f"{', '.join(sorted(PRE_TOKENIZERS))}")
+        if self.model == "gemma4" and self.pre != "gemma4":
+            raise TokenizerError(f"tokenizer model 'gemma4' goes with pre-tokenizer 'gemma4' "
+                                 f"(llama.cpp sets it), not {untrusted(self.pre)}")
         n = len(self.tokens)
         if n == 0:
             raise TokenizerError("the vocabulary is empty")
+        if self.scores is not None and len(self.scores) < n:
+            raise TokenizerError(f"{n} tokens but only {len(self.scores)} scores")
+        if self.strip_rule not in STRIP_RULES:
+            raise TokenizerError(f"strip_rule must be one of {STRIP_RULES}, not "
+                                 f"{untrusted(str(self.strip_rule))}")
         if len(self.token_types) != n:
             raise TokenizerError(f"{n} tokens but {len(self.token_types)} token types")
         bad = sorted(set(self.token_types) - _KNOWN_TYPES)
@@ -632,7 +723,15 @@ class TokenizerData(BaseModel):
                         f"token {untrusted(t)} appears twice (ids {seen[t]} and {i}); llama.cpp "
                         "refuses such a vocabulary")
                 seen[t] = i
-        _check_merges(self.merges, frozenset(texts))
+        if self.model != "llama":  # SentencePiece merges go by score; llama.cpp ignores these
+            _check_merges(self.merges, frozenset(texts))
+        if self.strip_rule == "phi3" and not _jina_mask_rule(self.pre):
+            missing = [t for t in PHI3_ATTR_TOKENS if t not in texts]
+            if missing:
+                raise TokenizerError(
+                    f"general.name names Phi-3, for which llama.cpp sets attributes of "
+                    f"{', '.join(PHI3_ATTR_TOKENS)}; this vocabulary lacks {', '.join(missing)}, "
+                    "and llama.cpp refuses to load it")
         if self.add_bos_token and self.bos_token_id is None:
             raise TokenizerError("add_bos_token is true but bos_token_id is not set")
         if self.add_eos_token and self.eos_token_id is None:
@@ -747,19 +846,29 @@ def end_of_generation(data: TokenizerData, token_to_id: dict[str, int],
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text, emitting only complete UTF-8 characters.
 
-    A character whose bytes are spread over several byte-level tokens (an emoji is often four
-    single-byte tokens) is held back until its last byte arrives; `flush` ends the stream,
-    turning a dangling partial sequence into U+FFFD. Concatenating every `push` and the `flush`
-    gives exactly `Tokenizer.decode` of the same ids.
+    A character whose bytes are spread over several tokens (an emoji is often four byte
+    tokens) is held back until its last byte arrives; `flush` ends the stream, turning a
+    dangling partial sequence into U+FFFD. Concatenating every `push` and the `flush` gives
+    `Tokenizer.decode_bytes` of the same ids as text: each token's piece, as llama-server
+    streams generated text (a continuation keeps its first token's leading space). With
+    `starts_text=True` the ids are a whole text, and the concatenation is exactly
+    `Tokenizer.decode` (where `add_space_prefix` is set, the first token's leading space is
+    dropped).
     """
 
-    def __init__(self, tokenizer: "Tokenizer", *, skip_special: bool = False) -> None:
+    def __init__(self, tokenizer: "Tokenizer", *, skip_special: bool = False,
+                 starts_text: bool = False) -> None:
         self._tok = tokenizer
         self._skip_special = skip_special
+        self._strip = starts_text and tokenizer.data.add_space_prefix
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_id: int) -> str:
-        return self._decoder.decode(self._tok._piece(token_id, self._skip_special))
+        piece = self._tok._piece(token_id, self._skip_special)
+        if self._strip:
+            self._strip = False
+            piece = piece[1:] if piece.startswith(b" ") else piece
+        return self._decoder.decode(piece)
 
     def flush(self) -> str:
         text = self._decoder.decode(b"", final=True)
@@ -768,13 +877,11 @@ class IncrementalDetokenizer:
 
 
 class Tokenizer:
-    """Encode/decode exactly as llama.cpp does for a `gpt2` GGUF vocabulary with one of the
-    pre-tokenizers in PRE_TOKENIZERS."""
+    """Encode/decode exactly as llama.cpp does for a GGUF vocabulary: `gpt2` (byte-level BPE
+    with one of the pre-tokenizers in PRE_TOKENIZERS), `llama` (SentencePiece, spm.py) or
+    `gemma4` (BPE over raw UTF-8 with spaces as U+2581)."""
 
     def __init__(self, data: TokenizerData, *, split: str = "llama.cpp") -> None:
-        from tokenizers import Regex, decoders, models, pre_tokenizers
-        from tokenizers import Tokenizer as HFTokenizer
-
         if split not in SPLIT_MODES:
             raise TokenizerError(f"split must be one of {SPLIT_MODES}, not {split!r}")
         self.data = data
@@ -784,6 +891,12 @@ class Tokenizer:
         self._texts = token_texts(data.tokens)
         self._token_to_id: dict[str, int] = {t: i for i, t in enumerate(self._texts)}
         self._types = list(data.token_types)
+        self.is_spm = data.model == "llama"
+        pre = None if self.is_spm else PRE_TOKENIZERS[data.pre]
+        # Tokens are raw UTF-8 with "▁" for spaces (SPM, Gemma 4), not GPT-2 byte strings.
+        self._escaped = self.is_spm or (pre is not None and pre.escape_whitespaces)
+        if split == "hf" and (pre is None or not pre.byte_encode):
+            raise TokenizerError("split='hf' is for byte-level BPE vocabularies only")
 
         # llama.cpp retypes tokens found by their text and derives end of generation from them.
         self.eog_ids: frozenset[int] = frozenset(
@@ -795,11 +908,25 @@ class Tokenizer:
         special.sort(key=lambda i: (-len(self._texts[i].encode("utf-8")), i))
         self._special_ids = special
         self._special_set = frozenset(special)
+        self._lstrip, self._rstrip = self._strip_attributes(special)
         self.markup_ids: frozenset[int] = frozenset(i for i in special if self._is_markup(i))
         # What each kind of text may spell: everything (special=True), USER_DEFINED tokens
         # (llama.cpp's parse_special=false), or nothing that is markup (a chat message's text).
         self._user_defined_ids = [i for i in special if self._types[i] == TOKEN_USER_DEFINED]
         self._plain_text_ids = [i for i in self._user_defined_ids if i not in self.markup_ids]
+        self._bytes_cache: list[bytes | None] = [None] * n
+
+        if self.is_spm:
+            from ane_spec.model.spm import SentencePieceMerger
+
+            scores = data.scores if data.scores is not None else [0.0] * n
+            self._spm = SentencePieceMerger(self._token_to_id, scores)
+            return
+        self._init_bpe(data, pre, split)  # type: ignore[arg-type]
+
+    def _init_bpe(self, data: TokenizerData, pre: PreTokenizer, split: str) -> None:
+        from tokenizers import Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer
 
         merges: list[tuple[str, str]] = []
         seen: set[tuple[str, str]] = set()
@@ -809,16 +936,16 @@ class Tokenizer:
                 seen.add(pair)
                 merges.append(pair)
 
-        pre = PRE_TOKENIZERS[data.pre]
         pattern = PRE_TOKENIZER_PATTERNS.get(data.pre)
         if split == "hf" and pattern is None:
             raise TokenizerError(f"split='hf' needs a tokenizer.json pattern; pre-tokenizer "
                                  f"{untrusted(data.pre)} has none here")
         try:
             # The Python constructor beats serialising a tokenizer.json for from_str (0.2 s vs
-            # 0.7 s at 200k merges).
+            # 0.7 s at 200k merges). Without byte encoding, a character that is no token
+            # becomes its `<0xXX>` tokens, as llama.cpp's BPE session does for Gemma 4.
             bpe = models.BPE(vocab=self._token_to_id, merges=merges, dropout=None,
-                             unk_token=None, fuse_unk=False, byte_fallback=False,
+                             unk_token=None, fuse_unk=False, byte_fallback=not pre.byte_encode,
                              ignore_merges=pre.ignore_merges)
         except Exception as exc:  # tokenizers raises a bare Exception naming the bad merge
             raise TokenizerError("the BPE vocabulary/merges are inconsistent: "
@@ -832,11 +959,33 @@ class Tokenizer:
         ]) if pattern is not None else None
         hf.decoder = decoders.ByteLevel()
         words = HFTokenizer(bpe)
-        words.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        words.decoder = decoders.ByteLevel()
+        if pre.byte_encode:
+            words.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                           use_regex=False)
+            words.decoder = decoders.ByteLevel()
         self._hf = hf
         self._hf_words = words
-        self._bytes_cache: list[bytes | None] = [None] * n
+        # Gemma 4: a word of newlines only that is itself a token is that token (PR 21343).
+        self._whole_newlines = pre.pre_type == "GEMMA4"
+
+    def _strip_attributes(self, special: list[int]) -> tuple[frozenset[int], frozenset[int]]:
+        """The LSTRIP and RSTRIP token ids llama.cpp sets by the model's name and pre-tokenizer
+        (llama_vocab::impl::load, "Handle per token attributes"): a special token so marked
+        swallows the whitespace before (LSTRIP) or after (RSTRIP) it when text spells it."""
+        rule = self.data.strip_rule
+        ids = self._token_to_id
+        lstrip: set[int] = set()
+        rstrip: set[int] = set()
+        if _jina_mask_rule(self.data.pre):
+            if "<mask>" in ids:
+                lstrip.add(ids["<mask>"])
+        elif rule == "phi3":  # TokenizerData has checked that these four tokens exist
+            rstrip.update(special)
+            rstrip.add(ids["</s>"])
+            rstrip.difference_update(ids[t] for t in ("<unk>", "<s>", "<|endoftext|>"))
+        elif rule == "modern-bert" and "[MASK]" in ids:
+            lstrip.add(ids["[MASK]"])
+        return frozenset(lstrip), frozenset(rstrip)
 
     @classmethod
     def from_data(cls, data: TokenizerData, *, split: str = "llama.cpp") -> "Tokenizer":
@@ -885,11 +1034,11 @@ class Tokenizer:
                 and text.endswith("|>"))
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The raw bytes the token stands for.
+        """The raw bytes the token stands for: llama.cpp's `token_to_piece(special=true)`.
 
-        NORMAL tokens give their byte-decoded string, CONTROL/USER_DEFINED/UNKNOWN tokens the
-        UTF-8 of their text, and UNUSED fillers (and the other types) nothing: llama.cpp's
-        `token_to_piece(special=true)`.
+        NORMAL tokens give their byte-decoded string (byte-level BPE) or their text with `▁` as
+        a space (SPM, Gemma 4); BYTE tokens (`<0x0A>`) their byte; CONTROL/USER_DEFINED/UNKNOWN
+        tokens the UTF-8 of their text; UNUSED fillers (and UNDEFINED) nothing.
         """
         self._check_id(token_id)
         cached = self._bytes_cache[token_id]
@@ -897,9 +1046,12 @@ class Tokenizer:
             t = self._types[token_id]
             text = self._texts[token_id]
             if t == TOKEN_NORMAL:
-                cached = byte_decode_token(text)
+                cached = (text.replace("\u2581", " ").encode("utf-8") if self._escaped
+                          else byte_decode_token(text))
             elif t in (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN):
                 cached = text.encode("utf-8")
+            elif t == TOKEN_BYTE:
+                cached = _token_to_byte(text)
             else:
                 cached = b""
             self._bytes_cache[token_id] = cached
@@ -919,31 +1071,59 @@ class Tokenizer:
     # -- encoding ---------------------------------------------------------------------------
 
     def pre_tokenize(self, text: str) -> list[str]:
-        """The words the pre-tokenizer cuts plain `text` into (no special-token handling)."""
+        """The words the pre-tokenizer cuts plain `text` into (no special-token handling).
+        SentencePiece does not pre-split: the whole text, spaces escaped, is one piece."""
+        if self.is_spm:
+            return [escape_whitespace(_clean(text))] if text else []
         if self.split == "llama.cpp":
-            return llama_cpp_split(_clean(text), self.data.pre)
+            return llama_cpp_split(self._escape(_clean(text)), self.data.pre)
         table = unicode_to_bytes()
         return [bytes(table[c] for c in piece).decode("utf-8")
                 for piece, _ in self._hf.pre_tokenizer.pre_tokenize_str(_clean(text))]
 
+    def _escape(self, text: str) -> str:
+        return escape_whitespace(text) if self._escaped else text
+
     def _partition(self, text: str, candidates: list[int]) -> list[int | str]:
         """Split `text` into the ids of `candidates` (special tokens, longest first) written in
-        it and plain-text fragments (llama.cpp's tokenizer_st_partition)."""
+        it and plain-text fragments (llama.cpp's tokenizer_st_partition): each token splits
+        every remaining text fragment at all its occurrences, an LSTRIP token dropping the
+        whitespace before each, an RSTRIP token the whitespace after."""
         fragments: list[int | str] = [text]
+        lstrip, rstrip = self._lstrip, self._rstrip
         for tid in candidates:
             needle = self._texts[tid]
             if not any(isinstance(f, str) and needle in f for f in fragments):
                 continue
             out: list[int | str] = []
+            strip_left, strip_right = tid in lstrip, tid in rstrip
             for f in fragments:
                 if isinstance(f, int) or needle not in f:
                     out.append(f)
                     continue
-                for k, part in enumerate(f.split(needle)):
-                    if k:
-                        out.append(tid)
-                    if part:
-                        out.append(part)
+                if not (strip_left or strip_right):
+                    for k, part in enumerate(f.split(needle)):
+                        if k:
+                            out.append(tid)
+                        if part:
+                            out.append(part)
+                    continue
+                pos, end = 0, len(f)
+                while pos < end:
+                    match = f.find(needle, pos)
+                    if match < 0:
+                        break
+                    left = match
+                    while strip_left and left > pos and f[left - 1] in _C_SPACE:
+                        left -= 1
+                    if left > pos:
+                        out.append(f[pos:left])
+                    out.append(tid)
+                    pos = match + len(needle)
+                    while strip_right and pos < end and f[pos] in _C_SPACE:
+                        pos += 1
+                if pos < end:
+                    out.append(f[pos:])
             fragments = out
         return fragments
 
@@ -953,7 +1133,7 @@ class Tokenizer:
         `special=True` recognises CONTROL tokens written in the text (`<|user|>`); otherwise they
         are tokenized as ordinary text. USER_DEFINED tokens are always recognised.
         `add_special` adds BOS/EOS as the GGUF's add_bos_token/add_eos_token ask (Phi-4-mini:
-        neither).
+        neither; SentencePiece vocabularies: BOS by default).
         """
         if not isinstance(text, str):
             raise TokenizerError(f"can only tokenize str, not {type(text).__name__}")
@@ -968,7 +1148,7 @@ class Tokenizer:
         USER_DEFINED or not, nor the USER_DEFINED ones in `not_in_text`: a tool-call format's
         own tags). Text that spells no special token tokenizes exactly as the whole string
         would with `encode(..., special=True)`: words are split and merged across piece
-        boundaries as usual."""
+        boundaries as usual, and an LSTRIP/RSTRIP token strips whitespace across them too."""
         excluded = frozenset(not_in_text)
         text_ids = [i for i in self._plain_text_ids if i not in excluded]
         fragments: list[int | str] = []
@@ -981,43 +1161,190 @@ class Tokenizer:
                     fragments[-1] += f
                 else:
                     fragments.append(f)
+        if self._lstrip or self._rstrip:
+            fragments = self._strip_across(fragments)
         return self._encode_fragments(fragments, add_special)
 
+    def _strip_across(self, fragments: list[int | str]) -> list[int | str]:
+        """The whitespace an LSTRIP/RSTRIP token swallows where it came from another piece."""
+        out = list(fragments)
+        for k, f in enumerate(out):
+            if not isinstance(f, int):
+                continue
+            if f in self._lstrip and k > 0 and isinstance(out[k - 1], str):
+                out[k - 1] = out[k - 1].rstrip(_C_SPACE)  # type: ignore[union-attr]
+            if f in self._rstrip and k + 1 < len(out) and isinstance(out[k + 1], str):
+                out[k + 1] = out[k + 1].lstrip(_C_SPACE)  # type: ignore[union-attr]
+        return [f for f in out if f != ""]
+
     def _encode_fragments(self, fragments: list[int | str], add_special: bool) -> list[int]:
-        plain = [f for f in fragments if isinstance(f, str)]
-        if not plain:
-            encoded = iter([])
-        elif self.split == "llama.cpp":
-            pre = self.data.pre
-            encoded = iter(self._hf_words.encode_batch(
-                [llama_cpp_split(f, pre) for f in plain], is_pretokenized=True,
-                add_special_tokens=False))
-        else:
-            encoded = iter(self._hf.encode_batch(plain, add_special_tokens=False))
         ids: list[int] = []
         if add_special and self.data.add_bos_token:
             ids.append(self.data.bos_token_id)  # type: ignore[arg-type]
-        for f in fragments:
-            if isinstance(f, int):
-                ids.append(f)
-            else:
-                ids.extend(next(encoded).ids)
+        if self.is_spm:
+            self._encode_spm(fragments, ids)
+        else:
+            self._encode_bpe(fragments, ids)
         if add_special and self.data.add_eos_token:
             ids.append(self.data.eos_token_id)  # type: ignore[arg-type]
         return ids
 
+    def _encode_spm(self, fragments: list[int | str], ids: list[int]) -> None:
+        """llama_vocab::impl::tokenize, LLAMA_VOCAB_TYPE_SPM: text that starts the input or
+        follows a special token gets a space first when add_space_prefix is set."""
+        prefix = self.data.add_space_prefix
+        prev_special = True
+        for f in fragments:
+            if isinstance(f, int):
+                ids.append(f)
+                prev_special = True
+            else:
+                text = " " + f if prefix and prev_special else f
+                ids.extend(self._spm.encode(escape_whitespace(text)))
+                prev_special = False
+
+    def _encode_bpe(self, fragments: list[int | str], ids: list[int]) -> None:
+        plain = [self._escape(f) for f in fragments if isinstance(f, str)]
+        if not plain:
+            encoded = iter([])
+        elif self.split == "llama.cpp":
+            pre = self.data.pre
+            words = [llama_cpp_split(f, pre) for f in plain]
+            batch = self._hf_words.encode_batch(words, is_pretokenized=True,
+                                                add_special_tokens=False)
+            encoded = iter(self._whole_newline_words(w, e.ids, e.word_ids)
+                           if self._whole_newlines else e.ids for w, e in zip(words, batch))
+        else:
+            encoded = iter(e.ids for e in self._hf.encode_batch(plain, add_special_tokens=False))
+        for f in fragments:
+            if isinstance(f, int):
+                ids.append(f)
+            else:
+                ids.extend(next(encoded))
+
+    def _whole_newline_words(self, words: list[str], ids: list[int],
+                             word_ids: list[int | None]) -> list[int]:
+        """Gemma 4 (llm_tokenizer_bpe_session): a word of newlines only that is a token is
+        emitted whole, not merged."""
+        whole = {k: self._token_to_id[w] for k, w in enumerate(words)
+                 if w.strip("\n") == "" and w in self._token_to_id}
+        if not whole:
+            return ids
+        out: list[int] = []
+        last: int | None = None
+        for tid, k in zip(ids, word_ids):
+            if k not in whole:
+                out.append(tid)
+            elif k != last:
+                out.append(whole[k])
+            last = k
+        return out
+
     # -- decoding ---------------------------------------------------------------------------
 
     def decode_bytes(self, ids: Iterable[int], *, skip_special: bool = False) -> bytes:
+        """Each token's piece, concatenated (llama-server's tokens_to_str)."""
         return b"".join(self._piece(int(i), skip_special) for i in ids)
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
-        """Text for `ids`; invalid UTF-8 (a cut multi-byte character) becomes U+FFFD.
+        """Text for `ids`, as llama.cpp's `llama_detokenize` (remove_special=false); invalid
+        UTF-8 (a cut multi-byte character) becomes U+FFFD.
 
-        `skip_special` drops CONTROL tokens (llama.cpp `unparse_special=false`); USER_DEFINED
-        tokens always render.
+        `skip_special` drops CONTROL tokens (`unparse_special=false`); USER_DEFINED tokens
+        always render. Where add_space_prefix is set (SentencePiece), the first token's leading
+        space is dropped, so that decode(encode(text)) == text. (llama.cpp's clean_spaces pass,
+        which no SentencePiece vocabulary turns on, is not applied.)
         """
-        return self.decode_bytes(ids, skip_special=skip_special).decode("utf-8", errors="replace")
+        return self._detokenize(list(ids), skip_special, False, False).decode(
+            "utf-8", errors="replace")
 
-    def detokenizer(self, skip_special: bool = False) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self, skip_special=skip_special)
+    def detokenize(self, ids: Iterable[int], *, skip_special: bool = False,
+                   remove_special: bool = False) -> str:
+        """llama.cpp's `llama_detokenize(remove_special, unparse_special=not skip_special)`
+        exactly: `decode`, plus the vocabulary's clean_spaces pass (" ," -> ",", " 's" ->
+        "'s", ...; on for most byte-level BPE pre-tokenizers and Gemma 4, off for SPM), and
+        with `remove_special` a leading BOS / trailing EOS dropped where the vocabulary adds
+        them."""
+        return self._detokenize(list(ids), skip_special, remove_special, True).decode(
+            "utf-8", errors="replace")
+
+    @property
+    def clean_spaces(self) -> bool:
+        """llama.cpp's clean_spaces for this vocabulary (never for SentencePiece)."""
+        return not self.is_spm and PRE_TOKENIZERS[self.data.pre].clean_spaces
+
+    def _detokenize(self, ids: list[int], skip_special: bool, remove_special: bool,
+                    clean: bool) -> bytes:
+        data = self.data
+        remove_space = data.add_space_prefix
+        if remove_special and data.add_bos_token and ids and ids[0] == data.bos_token_id:
+            remove_space = False
+            ids = ids[1:]
+        if remove_special and data.add_eos_token and ids and ids[-1] == data.eos_token_id:
+            ids = ids[:-1]
+        pieces = [self._piece(int(i), skip_special) for i in ids]
+        if remove_space and pieces and pieces[0].startswith(b" "):
+            pieces[0] = pieces[0][1:]
+        text = b"".join(pieces)
+        return _clean_spaces(text) if clean and self.clean_spaces else text
+
+    def detokenizer(self, skip_special: bool = False, *,
+                    starts_text: bool = False) -> IncrementalDetokenizer:
+        """A streaming decoder; `starts_text=True` for ids that begin a text (see
+        IncrementalDetokenizer), False for generated tokens that continue a prompt."""
+        return IncrementalDetokenizer(self, skip_special=skip_special, starts_text=starts_text)
+
+
+def _token_to_byte(text: str) -> bytes:
+    """llama.cpp `token_to_byte` for a BYTE token: strtol(text.substr(3, 2), 16), as one byte."""
+    if len(text) < 3:
+        return b""  # llama.cpp's substr throws here
+    digits = ""
+    for c in text[3:5]:
+        if c not in "0123456789abcdefABCDEF":
+            break
+        digits += c
+    return bytes([int(digits, 16) if digits else 0])
+
+
+def _clean_spaces(text: bytes) -> bytes:
+    """llama_detokenize's clean_spaces passes, ported as written (in place, over bytes)."""
+    buf = bytearray(text)
+    # First pass: " ?", " !", " .", " ," lose the space.
+    total1 = len(buf)
+    total = 1 if total1 else 0
+    for i in range(1, total1):
+        x = buf[i]
+        if buf[i - 1] == 0x20 and x in b"?!.,":
+            total -= 1
+        buf[total] = x
+        total += 1
+    # Second pass: an apostrophe between two spaces loses both.
+    total2 = total
+    total = 1 if total2 else 0
+    i = 1
+    while i < total2:
+        x = buf[i]
+        if x == 0x27 and i + 1 < total2 and buf[i - 1] == 0x20 and buf[i + 1] == 0x20:
+            total -= 1
+            i += 1
+            buf[i] = 0
+        buf[total] = x
+        total += 1
+        i += 1
+    # Third pass: " 's", " 'm", " 're", " 've" lose the space.
+    total3 = total
+    total = 1 if total3 else 0
+    for i in range(1, total3):
+        x = buf[i]
+        if buf[i - 1] == 0x20 and x == 0x27 and i + 1 < total3:
+            x1 = buf[i + 1]
+            if x1 in b"sm":
+                total -= 1
+            elif x1 not in b"td" and i + 2 < total3:
+                x2 = buf[i + 2]
+                if (x1, x2) in ((0x72, 0x65), (0x76, 0x65)):
+                    total -= 1
+        buf[total] = x
+        total += 1
+    return bytes(buf[:total])
