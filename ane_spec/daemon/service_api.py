@@ -100,7 +100,10 @@ def router(config: ServeConfig, engine: Engine,
                 return error_response(400, f"tokens: ids {bad[:5]} are outside the vocabulary "
                                            f"0..{vocab - 1}", param="tokens",
                                       code="invalid_value")
-            return Response(_json_bytes({"content": tok.decode(body.tokens)}),
+            # llama-server's tokens_to_str: every piece as is. (decode() drops a SentencePiece
+            # text's first leading space, which /detokenize keeps.)
+            text = tok.decode_bytes(body.tokens).decode("utf-8", errors="replace")
+            return Response(_json_bytes({"content": text}),
                             media_type="application/json")
 
         return await off_loop(run)
