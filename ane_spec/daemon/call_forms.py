@@ -436,11 +436,13 @@ def hermes_auto_grammar(tools: list[Tool], parallel: bool | None) -> str:
              _lead("LEAD_JSON_FENCED", _FENCE_RX + _NAME_RX, openings),
              _lead("LEAD_FN_EQ", "<function=", openings),
              _lead("LEAD_FN_NAME", "<function name=\"", openings)]
-    first = ["LEAD_TC tool_call", 'LEAD_TC_FENCED tool_call WS? "```"', "LEAD_JSON rest",
-             'LEAD_JSON_FENCED rest WS? "```"', "LEAD_FN_EQ fn_eq", "LEAD_FN_NAME fn_name"]
-    later = ['"<tool_call>" tool_call', 'FENCE WS? obj WS? "```"', "obj",
+    first = ["LEAD_TC tool_call", "LEAD_TC_FENCED tool_call WS? FENCE_END", "LEAD_JSON rest",
+             "LEAD_JSON_FENCED rest WS? FENCE_END", "LEAD_FN_EQ fn_eq", "LEAD_FN_NAME fn_name"]
+    later = ['"<tool_call>" tool_call', "FENCE WS? obj WS? FENCE_END", "obj",
              '"<function=" fn_eq', '"<function name=\\"" fn_name']
-    rules.append('FENCE: /```(json|xml)?\\n/')
+    # A closing fence takes its newline along: as a string followed by WS, a greedy lexer
+    # would read "```\\n" as the next call's opening fence.
+    rules += ['FENCE: /```(json|xml)?\\n/', 'FENCE_END: /```\\n?/']
     for i, tag in enumerate(HERMES_TAGS[1:]):
         lead = f"LEAD_TAG{i}"
         rules.append(_lead(lead, f"<{tag}>\\s*{_NAME_RX}", openings))
