@@ -330,7 +330,7 @@ def _args(calls):
 # Forms of three calls (to see the last one kept) with the content they leave.
 THREE = [("Paris", "<tool_call>\n"), ("Rome", "```json\n"), ("Oslo", "")]
 HERMES_LIVE = {
-    "fence": (f'Checking.\n```json\n{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}'
+    "fence": ('Checking.\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
               "\n```", "Checking.\n", ["Paris"]),
     "bare": ('{"name": "get_weather", "arguments": {"city": "Paris"}}', "", ["Paris"]),
     "function": ('<function=get_weather>{"city": "Paris"}</function>', "", ["Paris"]),
