@@ -4,35 +4,38 @@ template and vocabulary, as llama.cpp's common/chat.cpp chooses (common_chat_tem
 
 - `<tool_call>` in the template: Hermes 2 Pro / Qwen 2.5 / Qwen 3
   (`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call);
-- `<|start_header_id|>ipython<|end_header_id|>` in the template: Llama 3.x (the whole reply is
-  one JSON object `{"name": ..., "parameters": {...}}`; llama.cpp's grammar allows one call,
-  and Meta's template renders only one per turn);
+- `<|start_header_id|>ipython<|end_header_id|>` in the template: Llama 3.x (one JSON object
+  `{"name": ..., "parameters": {...}}`; Meta's template renders only one call per turn);
 - a `<|tool_call|>` control token (Phi-4-mini, tools.py): `<|tool_call|>[...]<|/tool_call|>`.
 
 Templates get tools and calls as llama.cpp gives them: `tools` is OpenAI's list, an assistant
 message's `tool_calls` carry arguments as parsed JSON (the templates `tojson` them), tool
 results are `tool` messages; Llama 3 gets `tools_in_user_message = false` (llama.cpp's
-common_chat_params_init_llama_3_x). Parsing follows llama.cpp's parsers
-(common_chat_parse_llama_3_1's `function_regex`, common_chat_parse_hermes_2_pro's blocks), and
-the grammars allow exactly what the parsers read, so a constrained call always parses.
+common_chat_params_init_llama_3_x). Output is read in every form llama.cpp's parsers for the
+template read, and under `auto` the grammar lets the model start any of them (call_forms.py);
+the grammars allow only what the parsers read, so a constrained call always parses.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
+from ane_spec.daemon.call_forms import (
+    HERMES_FORMS,
+    LLAMA3_FORMS,
+    FormParser,
+    hermes_auto_grammar,
+    llama3_auto_grammar,
+)
 from ane_spec.daemon.protocol import ChatMessage, NamedToolChoice, Tool
 from ane_spec.daemon.tools import (
-    NAME,
     NO_PARAMETERS,
     PHI4_SYNTAX,
     TOOL_CALL,
     CallSyntax,
     ToolCallParser,
-    never_spelling,
     parsed_arguments,
     template_messages,
     tool_call_grammar,
@@ -136,54 +139,45 @@ def split_thinking(content: str) -> dict[str, str]:
 
 class HermesFormat(ToolFormat):
     """Qwen 2.5 / Qwen 3 (Hermes 2 Pro): `<tool_call>\\n{"name": "f", "arguments": {...}}\\n
-    </tool_call>` per call, calls separated by a newline, as the templates render them."""
+    </tool_call>` per call, calls separated by a newline, as the templates render them; read
+    in every form llama.cpp's Hermes parsers read (call_forms.py), and under `auto` the model
+    may start any of them."""
 
     name = "hermes"
     tags = (HERMES_CALL, HERMES_CALL_END, "<tool_response>", "</tool_response>")
-    syntax = CallSyntax(
-        start=HERMES_CALL,
-        header=re.compile(r"(?:\s*" + HERMES_CALL_END + r"\s*" + HERMES_CALL + r")?\s*\{\s*"
-                          + NAME + r'"arguments"\s*:\s*(?=\S)'),
-        close=re.compile(r"\s*\}"))
+
+    def parser(self) -> FormParser:
+        return FormParser(HERMES_FORMS)
 
     def grammar(self, tools: list[Tool], choice: str | NamedToolChoice | None,
                 parallel: bool | None) -> str:
+        if choice in (None, "auto"):
+            return hermes_auto_grammar(tools, parallel)
+        # A forced call is written in the template's own form.
         schema = json.dumps(_call_schema(tools, choice, "arguments"))
         more = "" if parallel is False else f' ("\\n{HERMES_CALL}" body)*'
-        rules = f'body: "\\n" %json {schema} "\\n{HERMES_CALL_END}"\n'
-        if choice in (None, "auto"):
-            # `<tool_call>` is ordinary text to the grammar (a USER_DEFINED token), so text
-            # that ends at the first one is a single terminal: a greedy TEXT would otherwise
-            # swallow `<tool_call` and leave no way to finish the tag.
-            escaped = re.escape(HERMES_CALL).replace("/", "\\/")
-            lead = f"/(.|\\n)*{escaped}/ & ~/(.|\\n)*{escaped}(.|\\n)+/"
-            return (f"start: TEXT | LEAD body{more}\n{rules}"
-                    f"TEXT: {never_spelling(HERMES_CALL)}\nLEAD: {lead}\n")
-        return f'start: "{HERMES_CALL}" body{more}\n{rules}'
+        return (f'start: "{HERMES_CALL}" body{more}\n'
+                f'body: "\\n" %json {schema} "\\n{HERMES_CALL_END}"\n')
 
 
 class Llama3Format(ToolFormat):
-    """Llama 3.x: the reply is either text or one `{"name": "f", "parameters": {...}}`
-    (llama.cpp's function_regex also accepts a leading `"type": "function"`, which the grammar
-    never writes)."""
+    """Llama 3.x: one `{"name": "f", "parameters": {...}}` (llama.cpp's parsers also read a
+    leading `"type": "function"`, and text around the call), the template's own form when a
+    call is forced."""
 
     name = "llama3"
-    syntax = CallSyntax(
-        start=None,
-        header=re.compile(r'\s*\{\s*(?:"type"\s*:\s*"function"\s*,\s*)?' + NAME
-                          + r'"parameters"\s*:\s*(?=\S)'),
-        close=re.compile(r"\s*\}"), single=True)
 
     def extra(self) -> dict[str, Any] | None:
         return {"tools_in_user_message": False}
 
+    def parser(self) -> FormParser:
+        return FormParser(LLAMA3_FORMS)
+
     def grammar(self, tools: list[Tool], choice: str | NamedToolChoice | None,
                 parallel: bool | None) -> str:
-        call = f"call: %json {json.dumps(_call_schema(tools, choice, 'parameters'))}\n"
         if choice in (None, "auto"):
-            # Text is anything that does not open with `{`: only a call does.
-            return f"start: TEXT | call\n{call}TEXT: /(.|\\n)+/ & ~/\\s*\\{{(.|\\n)*/\n"
-        return f"start: call\n{call}"
+            return llama3_auto_grammar(tools)
+        return f"start: call\ncall: %json {json.dumps(_call_schema(tools, choice, 'parameters'))}\n"
 
 
 class Qwen3Format(HermesFormat):

@@ -1,0 +1,475 @@
+"""Tool calls as models actually write them (issue 29): the forms llama.cpp's parsers accept
+for the Hermes 2 Pro / Qwen and Llama 3.x templates, read piece by piece, and the `auto`
+grammar that lets a model start any of them.
+
+Which llama.cpp. The vendored llama.cpp (llama-cpp-python 0.3.36) parses these templates with
+its PEG "autoparser" (common/chat-auto-parser-generator.cpp), which takes only the template's
+own form: `<tool_call>` blocks for Hermes/Qwen, `{"name": ..., "parameters": ...}` objects
+after any text for Llama 3. The regex parsers it replaced (common/chat-parser.cpp's
+`common_chat_parse_hermes_2_pro` and `common_chat_parse_llama_3_1`) took more, and a model
+writes those forms (the real Qwen2.5-Coder fences its call), so the union is accepted:
+
+- Hermes / Qwen: anywhere in the reply, an object `{"name": "f", "arguments": {...}}`
+  (name first), bare, or after ```` ```json ````/```` ```xml ````/```` ``` ```` and/or one of the
+  tags `<tool_call>`, `<function_call>`, `<tool>`, `<tools>`, `<response>`, `<json>`, `<xml>`,
+  `<JSON>` (closed by the matching tag and fence, which are consumed when present); and
+  `<function=f>{...}</function>` or `<function name="f">{...}</function>`. Several calls,
+  text between them is content.
+- Llama 3.x: anywhere, one object `{["type": "function", ]"name": "f", "parameters": {...}}`;
+  the text before and after it is content.
+
+Whitespace right before a Hermes call's opening `{` belongs to the call (the old regex's
+`\\s*\\{`), as does whitespace after any call.
+
+The `auto` grammar (llguidance Lark) lets the model write text, or text then calls in any of
+these forms, each call's name one of the tools and its arguments valid against that tool's
+schema. llama.cpp does this with a lazy grammar that a trigger switches on; here text is a
+terminal that cannot contain an opening (`{"name"`, `<tool_call>`, `<function=`,
+`<function name="`), and each form's first call is reached through a terminal for "text up to
+and including the first opening" (a greedy text terminal would swallow the opening's first
+characters and leave no way to finish it). So under `auto` a reply never spells `{"name"` in
+plain text: llama.cpp's old parser would have read it as a call too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from ane_spec.daemon.protocol import NamedToolChoice, Tool, tool_call_delta
+from ane_spec.decode.grammar import JSON_OPTIONS
+from ane_spec.decode.json_tightening import tighten
+
+# --- patterns that can also tell whether a text may still become a match ----------------------
+
+
+class Piece:
+    """A regex that also knows the regex of its prefixes (every prefix of a match, the empty
+    one and the whole match included): a stream holds text back while it may still become a
+    call's opening, and lets it go as content once it cannot."""
+
+    def full(self, groups: bool = False) -> str:
+        raise NotImplementedError
+
+    def prefix(self) -> str:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Lit(Piece):
+    text: str
+
+    def full(self, groups: bool = False) -> str:
+        return re.escape(self.text)
+
+    def prefix(self) -> str:
+        out = ""
+        for ch in reversed(self.text):
+            out = f"(?:{re.escape(ch)}{out})?"
+        return out
+
+
+@dataclass(frozen=True)
+class Rx(Piece):
+    """A regex given with its prefix regex by hand."""
+
+    whole: str
+    start: str
+
+    def full(self, groups: bool = False) -> str:
+        return f"(?:{self.whole})"
+
+    def prefix(self) -> str:
+        return f"(?:{self.start})"
+
+
+WS = Rx(r"\s*", r"\s*")
+# A JSON string's body and its closing quote.
+STRING_BODY = Rx(r'(?:[^"\\]|\\.)*"', r'(?:[^"\\]|\\.)*(?:\\|")?')
+
+
+class Seq(Piece):
+    def __init__(self, *parts: Piece | str):
+        self.parts = tuple(Lit(p) if isinstance(p, str) else p for p in parts)
+
+    def full(self, groups: bool = False) -> str:
+        return "".join(p.full(groups) for p in self.parts)
+
+    def prefix(self) -> str:
+        options = ["".join(q.full() for q in self.parts[:i]) + p.prefix()
+                   for i, p in enumerate(self.parts)]
+        return "(?:" + "|".join(options) + ")"
+
+
+class Alt(Piece):
+    def __init__(self, *parts: Piece | str):
+        self.parts = tuple(Lit(p) if isinstance(p, str) else p for p in parts)
+
+    def full(self, groups: bool = False) -> str:
+        return "(?:" + "|".join(p.full(groups) for p in self.parts) + ")"
+
+    def prefix(self) -> str:
+        return "(?:" + "|".join(p.prefix() for p in self.parts) + ")"
+
+
+@dataclass(frozen=True)
+class Opt(Piece):
+    part: Piece
+
+    def full(self, groups: bool = False) -> str:
+        return f"(?:{self.part.full(groups)})?"
+
+    def prefix(self) -> str:
+        return self.part.prefix()
+
+
+@dataclass(frozen=True)
+class Group(Piece):
+    name: str
+    part: Piece
+
+    def full(self, groups: bool = False) -> str:
+        inner = self.part.full(groups)
+        return f"(?P<{self.name}>{inner})" if groups else inner
+
+    def prefix(self) -> str:
+        return self.part.prefix()
+
+
+class Pattern:
+    """A piece compiled twice: `match` (with its named groups) and `could_become`."""
+
+    def __init__(self, piece: Piece):
+        self.regex = re.compile(piece.full(groups=True))
+        self._prefix = re.compile(piece.prefix())
+
+    def could_become(self, text: str) -> bool:
+        """Whether `text` is a prefix of some match (a match included)."""
+        return self._prefix.fullmatch(text) is not None
+
+
+# --- the forms -----------------------------------------------------------------------------------
+
+HERMES_TAGS = ("tool_call", "function_call", "tool", "tools", "response", "json", "xml", "JSON")
+FENCE = Seq("```", Opt(Alt("xml", "json")), "\n", WS)
+
+
+def _header(arguments_key: str) -> Piece:
+    """From just after `"name"` through the arguments' key and colon."""
+    return Seq(WS, ":", WS, '"', Group("name", STRING_BODY), WS, ",", WS,
+               f'"{arguments_key}"', WS, ":", WS)
+
+
+@dataclass(frozen=True)
+class Forms:
+    """A family's openings (`trigger`: leftmost match starts a call), what follows each kind of
+    opening up to the arguments (`headers`, keyed by the trigger's group that matched), and
+    whether more than one call is read."""
+
+    trigger: Pattern
+    headers: dict[str, Pattern]
+    single: bool
+
+
+HERMES_FORMS = Forms(
+    trigger=Pattern(Alt(
+        Group("json", Seq(Opt(Group("fence", FENCE)),
+                          Opt(Seq("<", Group("tag", Alt(*HERMES_TAGS)), ">")),
+                          WS, "{", WS, '"name"')),
+        Group("fn_eq", Lit("<function=")),
+        Group("fn_name", Lit('<function name="')))),
+    headers={"json": Pattern(_header("arguments")),
+             "fn_eq": Pattern(Seq(Group("name", Rx(r"[^>]+", r"[^>]*")), ">", WS)),
+             "fn_name": Pattern(Seq(Group("name", Rx(r'[^"]+', r'[^"]*')), '">', WS))},
+    single=False)
+
+LLAMA3_FORMS = Forms(
+    trigger=Pattern(Group("json", Seq(
+        "{", WS, Opt(Seq('"type"', WS, ":", WS, '"function"', WS, ",", WS)), '"name"'))),
+    headers={"json": Pattern(_header("parameters"))},
+    single=True)
+
+
+def _closers(opening: re.Match[str]) -> Pattern:
+    """What may follow a call's arguments: the rest of its object, then its tag and fence."""
+    groups = opening.groupdict()
+    return _closers_of(groups.get("tag"), bool(groups.get("fence")),
+                       bool(groups.get("fn_eq") or groups.get("fn_name")))
+
+
+@lru_cache(maxsize=64)
+def _closers_of(tag: str | None, fence: bool, function: bool) -> Pattern:
+    parts: list[Piece | str] = [WS]
+    if tag:
+        parts += [Opt(Lit(f"</{tag}>")), WS]
+    if fence:
+        parts += [Opt(Lit("```")), WS]
+    if function:
+        parts += [Opt(Lit("</function>")), WS]
+    return Pattern(Seq(*parts))
+
+
+class FormParser:
+    """Splits generated text into content and tool calls, piece by piece, the forms above.
+
+    The interface of tools.ToolCallParser: `feed` gives (content, one delta per call index),
+    `finish` the content still held; `calls` are every call that began (its name whole, its
+    arguments begun), `whole_calls` those whose arguments are whole. Each call's arguments are
+    the exact text the model wrote, so a stream's deltas concatenate to the arguments of the
+    same text parsed whole. Text that may still become an opening is held back until it does
+    or cannot; an opening whose header then fails is content after all."""
+
+    def __init__(self, forms: Forms) -> None:
+        self.forms = forms
+        self.calls: list[dict[str, Any]] = []
+        self._text = ""          # text not yet resolved, from `_pos`
+        self._pos = 0
+        self._state = "text"     # -> "header" -> "arguments" -> "object" -> "closers" -> "text"
+        self._opening: re.Match[str] | None = None
+        self._kind = ""
+        self._closed = 0
+        self._depth = 0
+        self._in_string = self._escaped = False
+        self._triggers = True    # false after a single-call family's call
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.calls) and self._closed == len(self.calls)
+
+    @property
+    def whole_calls(self) -> list[dict[str, Any]]:
+        return self.calls[:self._closed]
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        if not text:
+            return "", []
+        self._text += text
+        content, deltas = self._run(final=False)
+        return content, _one_per_index(deltas)
+
+    def finish(self) -> str:
+        content, _ = self._run(final=True)
+        return content
+
+    # The loop: each state consumes what it can decide now, and stops when it needs more text.
+    def _run(self, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        content: list[str] = []
+        deltas: list[dict[str, Any]] = []
+        while True:
+            s, pos = self._text, self._pos
+            if self._state == "text":
+                if not self._triggers:
+                    content.append(s[pos:])
+                    self._pos = len(s)
+                    break
+                m = self.forms.trigger.regex.search(s, pos)
+                if m:
+                    content.append(s[pos:m.start()])
+                    self._opening, self._pos, self._state = m, m.end(), "header"
+                    self._kind = next(k for k in self.forms.headers if m.group(k) is not None)
+                    continue
+                hold = self._hold_from(s, pos)
+                # At the end, held text is content, unless a call's tag or object had begun in
+                # it (a reply cut inside an opening leaves no markup in the content).
+                if final and not any(c in s[hold:] for c in "{>"):
+                    hold = len(s)
+                content.append(s[pos:hold])
+                self._pos = hold
+                if final:
+                    self._text, self._pos = "", 0
+                break
+            if self._state == "header":
+                header = self.forms.headers[self._kind]
+                m = header.regex.match(s, pos)
+                if m and m.end() < len(s):  # the arguments' first character has arrived
+                    name = m.group("name")
+                    if self._kind == "json":
+                        name = json.loads(f'"{name[:-1]}"')
+                    call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                            "function": {"name": name, "arguments": ""}}
+                    self.calls.append(call)
+                    deltas.append(tool_call_delta(len(self.calls) - 1, call["id"], name, ""))
+                    self._pos, self._state, self._depth = m.end(), "arguments", 0
+                    continue
+                if not final and header.could_become(s[pos:]):
+                    break
+                if final:  # cut before the call began: no call, and its markup is no content
+                    self._text, self._pos, self._state = "", 0, "text"
+                    break
+                # Not a call after all: the opening is text, and the search goes on after its
+                # first character.
+                start = self._opening.start()
+                content.append(s[start])
+                self._pos, self._state = start + 1, "text"
+                continue
+            if self._state == "arguments":
+                start = pos
+                while self._pos < len(s) and self._state == "arguments":
+                    self._step(s[self._pos])
+                    self._pos += 1
+                if self._pos > start:
+                    piece = s[start:self._pos]
+                    self.calls[-1]["function"]["arguments"] += piece
+                    deltas.append(tool_call_delta(len(self.calls) - 1, None, None, piece))
+                if self._state == "arguments":
+                    break
+                self._closed = len(self.calls)
+                # The rest of the call's object (a JSON form), up to its own brace.
+                self._depth = 1 if self._kind == "json" else 0
+                self._state = "object" if self._depth else "closers"
+                continue
+            if self._state == "object":
+                while self._pos < len(s) and self._depth:
+                    self._step(s[self._pos])
+                    self._pos += 1
+                if self._depth:
+                    break
+                self._state = "closers"
+                continue
+            # closers: the call's tag, fence and whitespace, consumed while they may follow
+            closers = _closers(self._opening)
+            if closers.could_become(s[pos:]):
+                if not final:
+                    break
+                self._pos = len(s)  # the end came inside them
+            else:
+                self._pos = closers.regex.match(s, pos).end()
+            self._state = "text"
+            self._triggers = not self.forms.single
+        if self._pos > 4096 and self._state in ("text", "closers"):
+            self._text, self._pos = self._text[self._pos:], 0
+        return "".join(content), deltas
+
+    def _hold_from(self, s: str, pos: int) -> int:
+        """The first position from which the text may still become an opening."""
+        trigger = self.forms.trigger
+        for i in range(pos, len(s)):
+            if s[i] in "`<{" or s[i].isspace():
+                if trigger.could_become(s[i:]):
+                    return i
+        return len(s)
+
+    def _step(self, ch: str) -> None:
+        if self._in_string:
+            if self._escaped:
+                self._escaped = False
+            elif ch == "\\":
+                self._escaped = True
+            elif ch == '"':
+                self._in_string = False
+            return
+        if ch == '"':
+            self._in_string = True
+        elif ch in "{[":
+            self._depth += 1
+        elif ch in "}]":
+            self._depth -= 1
+            if self._depth == 0 and self._state == "arguments":
+                self._state = "object"
+
+
+def _one_per_index(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    merged: list[dict[str, Any]] = []
+    for d in deltas:
+        if merged and merged[-1]["index"] == d["index"]:
+            merged[-1]["function"]["arguments"] += d["function"]["arguments"]
+        else:
+            merged.append(d)
+    return merged
+
+
+# --- the `auto` grammars -------------------------------------------------------------------------
+
+# What the grammar lets a model write between a call's parts: the separators of the compact
+# JSON its arguments are held to (grammar.JSON_OPTIONS), a newline around tags and fences. Any
+# more room and a weak model spends its tokens on spaces.
+GRAMMAR_WS = 'KS: /: ?/\nIS: /, ?/\nWS: /\\n/'
+_FENCE_RX = "```(json|xml)?\\n\\s*"
+_NAME_RX = '\\{\\s*"name"'
+
+
+def _tools_of(tools: list[Tool], choice: str | NamedToolChoice | None) -> list[Tool]:
+    if isinstance(choice, NamedToolChoice):
+        return [t for t in tools if t.function.name == choice.function.name]
+    return tools
+
+
+def _arguments_rules(tools: list[Tool]) -> list[str]:
+    from ane_spec.daemon.tools import NO_PARAMETERS
+
+    rules = []
+    for i, t in enumerate(tools):
+        schema = dict(t.function.parameters or NO_PARAMETERS)
+        schema["x-guidance"] = JSON_OPTIONS
+        rules.append(f"args{i}: %json {json.dumps(tighten(schema))}")
+    return rules
+
+
+def _lead(name: str, ending: str, openings: str) -> str:
+    """A terminal: text up to and including its first opening, which is `ending`."""
+    return f"{name}: /(.|\\n)*{ending}/ & ~/(.|\\n)*({openings})(.|\\n)+/"
+
+
+def hermes_auto_grammar(tools: list[Tool], parallel: bool | None) -> str:
+    """Text, or text then calls in any Hermes form (module docstring)."""
+    names = [t.function.name for t in tools]
+    openings = f"<tool_call>|{_NAME_RX}|<function=|<function name=\""
+    body = ["\"\\\"\" (" + " | ".join(
+        f'"{_lark_str(n)}\\"" IS "\\"arguments\\"" KS args{i}'
+        for i, n in enumerate(names)) + ") \"}\""]
+    rules = [f"rest: KS {body[0]}",
+             'obj: "{\\"name\\"" rest',
+             "fn_eq: (" + " | ".join(f'"{_lark_str(n)}>" WS? args{i}'
+                                     for i, n in enumerate(names)) + ') WS? "</function>"',
+             "fn_name: (" + " | ".join(f'"{_lark_str(n)}\\">" WS? args{i}'
+                                       for i, n in enumerate(names)) + ') WS? "</function>"',
+             'tool_call: WS? obj WS? "</tool_call>"',
+             *_arguments_rules(tools), GRAMMAR_WS,
+             "TEXT: /(.|\\n)+/ & ~/(.|\\n)*(" + openings + ")(.|\\n)*/",
+             _lead("LEAD_TC", "<tool_call>", openings),
+             _lead("LEAD_TC_FENCED", _FENCE_RX + "<tool_call>", openings),
+             _lead("LEAD_JSON", _NAME_RX, openings),
+             _lead("LEAD_JSON_FENCED", _FENCE_RX + _NAME_RX, openings),
+             _lead("LEAD_FN_EQ", "<function=", openings),
+             _lead("LEAD_FN_NAME", "<function name=\"", openings)]
+    first = ["LEAD_TC tool_call", "LEAD_TC_FENCED tool_call WS? FENCE_END", "LEAD_JSON rest",
+             "LEAD_JSON_FENCED rest WS? FENCE_END", "LEAD_FN_EQ fn_eq", "LEAD_FN_NAME fn_name"]
+    later = ['"<tool_call>" tool_call', "FENCE WS? obj WS? FENCE_END", "obj",
+             '"<function=" fn_eq', '"<function name=\\"" fn_name']
+    # A closing fence takes its newline along: as a string followed by WS, a greedy lexer
+    # would read "```\\n" as the next call's opening fence.
+    rules += ['FENCE: /```(json|xml)?\\n/', 'FENCE_END: /```\\n?/']
+    for i, tag in enumerate(HERMES_TAGS[1:]):
+        lead = f"LEAD_TAG{i}"
+        rules.append(_lead(lead, f"<{tag}>\\s*{_NAME_RX}", openings))
+        first.append(f'{lead} rest WS? "</{tag}>"')
+        later.append(f'"<{tag}>" WS? obj WS? "</{tag}>"')
+    more = "" if parallel is False else " (WS? call)*"
+    return "\n".join([f"start: TEXT | first{more} WS?", "first: " + " | ".join(first),
+                      "call: " + " | ".join(later), *rules]) + "\n"
+
+
+def llama3_auto_grammar(tools: list[Tool]) -> str:
+    """Text, or text then one call `{["type": "function", ]"name": ..., "parameters": ...}`.
+    A reply that opens with `{` is a call (llama.cpp's old trigger, anchored at the start; its
+    PEG parser reads content only up to the first `{`)."""
+    names = [t.function.name for t in tools]
+    opening = '\\{\\s*("type"\\s*:\\s*"function"\\s*,\\s*)?"name"'
+    rest = ("rest: KS \"\\\"\" (" + " | ".join(
+        f'"{_lark_str(n)}\\"" IS "\\"parameters\\"" KS args{i}'
+        for i, n in enumerate(names)) + ') "}"')
+    brace_first = "~/\\s*\\{(.|\\n)*/"
+    return "\n".join([
+        "start: TEXT | (LEAD_FIRST | LEAD) rest", rest, *_arguments_rules(tools),
+        GRAMMAR_WS, f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{opening}(.|\\n)*/ & {brace_first}",
+        f"LEAD_FIRST: /\\s*{opening}/",
+        _lead("LEAD", opening, opening) + f" & {brace_first}"]) + "\n"
+
+
+def _lark_str(name: str) -> str:
+    """A tool name inside a Lark string literal (names are [A-Za-z0-9_.-], protocol.py)."""
+    return name.replace("\\", "\\\\").replace('"', '\\"')
