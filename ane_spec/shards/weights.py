@@ -324,8 +324,11 @@ _HIST_BINS = 4096
 
 # Entries reserved for each group's largest-magnitude values, exactly: a few outliers carry much
 # of a row's energy, and Lloyd steps cannot move entries across the empty range between the bulk
-# and them.
-LUT_RESERVED = 32
+# and them. As many as the group has values beyond LUT_OUTLIER_SIGMAS robust sigmas (a Gaussian
+# has none there), at least LUT_RESERVED_MIN (its extreme tail), at most half the table.
+LUT_RESERVED_MIN = 16
+LUT_RESERVED_MAX = LUT_ENTRIES // 2
+LUT_OUTLIER_SIGMAS = 6.0
 
 
 def _start_table(values: np.ndarray, reserved: int) -> np.ndarray:
@@ -376,7 +379,11 @@ def fit_lut(values: np.ndarray, steps: int = LUT_KMEANS_STEPS) -> tuple[np.ndarr
     """
     groups, n = values.shape
     srt = np.sort(values, axis=1)
-    centres = _start_table(values, LUT_RESERVED)
+    # Robust sigma from the sorted values' 16th-84th percentiles, blind to the outliers.
+    sigma = (srt[:, int(0.8413 * (n - 1))] - srt[:, int(0.1587 * (n - 1))]) / 2
+    far = (np.abs(values) > LUT_OUTLIER_SIGMAS * sigma[:, None]).sum(axis=1)
+    reserved = int(np.clip(far.max(initial=0), LUT_RESERVED_MIN, LUT_RESERVED_MAX))
+    centres = _start_table(values, reserved)
     if steps:
         sums = np.zeros((groups, n + 1), np.float64)
         np.cumsum(srt, axis=1, dtype=np.float64, out=sums[:, 1:])
