@@ -258,3 +258,14 @@ def test_real_file_opens_and_a_layer_builds_with_default_weights(
     want = embd.rows(rows)
     cos = (got * want).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
     assert cos.min() > 0.9999
+
+
+def test_lut8_build_runs_through_the_core_ml_standin(coreml_standin, builds: dict[str, Path]
+                                                     ) -> None:
+    """Core ML's path (compile, load, predict with state), the native layer stood in for: the
+    palettized shard gives what the fp16 interpreter gives."""
+    tokens = [5, 99, 310, 7, 42, 8]
+    _, mil = open_pipeline(builds["auto"] / "manifest.json", "mil", "fp16")
+    _, coreml = open_pipeline(builds["auto"] / "manifest.json", "coreml", "fp16")
+    np.testing.assert_allclose(prefill_logits(coreml, tokens), prefill_logits(mil, tokens),
+                               rtol=0, atol=1e-2)

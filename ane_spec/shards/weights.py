@@ -28,7 +28,8 @@ type is read a chunk of rows at a time (`Tensor.rows`), so no tensor is ever flo
 
 from __future__ import annotations
 
-import math
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -129,6 +130,8 @@ def require_finite(name: str, values: np.ndarray, first_row: int = 0, what: str 
 def check_tensor_finite(t: Tensor) -> None:
     """Scan a whole tensor (for those no conversion reads): Q8_0 scales, or float values."""
     step = max(1, (1 << 24) // max(1, t.shape[-1]))
+    if not (t.is_q8_0 or t.is_float):
+        step = t.rows_per_chunk()  # gguf-py holds a chunk's output twice while it works
     if t.is_q8_0:
         _, d = t.q8_0()
         for r0 in range(0, d.shape[0], step):
@@ -228,21 +231,40 @@ def convert_matrix(t: Tensor, fmt: StoredFormat, rows: slice | None = None,
     step = t.rows_per_chunk()
     if fmt == "lut8":
         step = max(group, step // group * group)
-    for r0 in range(0, out, step):
+    starts = range(0, out, step)
+    fast_q8 = fmt == "int8-channel" and t.is_q8_0
+    values_of = (_read_ahead(t, [index[r0:r0 + step] for r0 in starts])
+                 if not (fast_q8 or t.is_q8_0 or t.is_float) else None)
+    for r0 in starts:
         r1 = min(out, r0 + step)
         idx = index[r0:r1]
-        if fmt == "int8-channel" and t.is_q8_0:
+        values = None if values_of is None else next(values_of)
+        if fast_q8:
             q, s16 = _requantize_q8_0_rows(t, idx, agreement)
         elif fmt == "lut8":
-            q, s16 = _lut_rows(t, idx, group, agreement)
+            q, s16 = _lut_rows(t, idx, group, agreement, values)
             lut[r0 // group:r1 // group, 0, 0, 0, :, 0] = s16
             s16 = None
         else:
-            q, s16 = _convert_float_rows(t, idx, fmt, agreement)
+            q, s16 = _convert_float_rows(t, idx, fmt, agreement, values)
         data[r0:r1, :, 0, 0] = q
         if scale is not None:
             scale[r0:r1, :, 0, 0] = s16
     return ConvWeight(fmt, (out, inp), data, scale, agreement.cosine(), lut)
+
+
+def _read_ahead(t: Tensor, chunks: list[np.ndarray]) -> Iterator[np.ndarray]:
+    """Each chunk's float rows, the next chunk dequantized by a helper thread while the caller
+    converts this one. gguf-py's dequantization is numpy work that releases the GIL, and it is
+    what a K-quant or IQ source costs beyond a Q8_0 one: overlapped, a second core hides most of
+    it. One chunk ahead: ~16 MB more memory."""
+    with ThreadPoolExecutor(1, thread_name_prefix="dequantize") as pool:
+        pending = pool.submit(t.rows, chunks[0], np.float32) if chunks else None
+        for n in range(len(chunks)):
+            values = pending.result()
+            if n + 1 < len(chunks):
+                pending = pool.submit(t.rows, chunks[n + 1], np.float32)
+            yield values
 
 
 def stack(parts: list[ConvWeight]) -> ConvWeight:
@@ -286,8 +308,9 @@ def _requantize_q8_0_rows(t: Tensor, idx: np.ndarray, agreement: "_CosineAccumul
 
 
 def _convert_float_rows(t: Tensor, idx: np.ndarray, fmt: StoredFormat,
-                        agreement: "_CosineAccumulator") -> tuple[np.ndarray, np.ndarray | None]:
-    values = t.rows(idx, np.float32)
+                        agreement: "_CosineAccumulator", values: np.ndarray | None = None
+                        ) -> tuple[np.ndarray, np.ndarray | None]:
+    values = t.rows(idx, np.float32) if values is None else values
     require_finite(t.name, values, int(idx[0]))
     if fmt == "fp16":
         stored = values.astype(np.float16)
@@ -310,11 +333,11 @@ def _convert_float_rows(t: Tensor, idx: np.ndarray, fmt: StoredFormat,
     return q, s16
 
 
-def _lut_rows(t: Tensor, idx: np.ndarray, group: int, agreement: "_CosineAccumulator"
-              ) -> tuple[np.ndarray, np.ndarray]:
+def _lut_rows(t: Tensor, idx: np.ndarray, group: int, agreement: "_CosineAccumulator",
+              values: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Rows (whole groups of them) -> uint8 indices `[rows, in]` and fp16 tables
     `[rows / group, 256]`."""
-    values = t.rows(idx, np.float32)
+    values = t.rows(idx, np.float32) if values is None else values
     require_finite(t.name, values, int(idx[0]))
     n, inp = values.shape
     grouped = values.reshape(n // group, group * inp)
