@@ -51,9 +51,15 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from ane_spec.model.gguf_file import open_gguf
-    from ane_spec.model.inspect import describe, format_description
+    from pathlib import Path
 
+    from ane_spec.model.gguf_file import open_gguf
+    from ane_spec.model.inspect import describe, describe_build, format_build, format_description
+
+    if Path(args.gguf).is_dir():  # a build folder: what each tensor got, and why
+        d = describe_build(Path(args.gguf))
+        print(json.dumps(d, indent=2) if args.json else format_build(d))
+        return 0
     d = describe(open_gguf(_model_path(args.gguf)))
     print(json.dumps(d, indent=2) if args.json else format_description(d))
     return 0
@@ -131,6 +137,8 @@ def cmd_build(args: argparse.Namespace) -> int:
                            min_weight_cosine=args.min_weight_cosine)
     result = build(_model_path(args.gguf), args.out, request, force=args.force,
                    progress=lambda msg: tqdm.write(f"[build] {msg}", file=sys.stderr))
+    for line in result.summary:
+        print(line)
     print(f"built {len(result.built)} and reused {len(result.reused)} packages in "
           f"{result.seconds:.1f}s -> {result.manifest_path}")
     return 0
@@ -453,6 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --model: the reply's length limit (default %(default)s)")
     p.set_defaults(handler=cmd_demo)
 
+<<<<<<< HEAD
     p = sub.add_parser("pull", help="download a catalog model (a real GGUF, sha256-pinned) into "
                                     "the cache and print its path")
     p.add_argument("name", nargs="?", help="catalog model name, e.g. smollm2-135m-instruct")
@@ -463,6 +472,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="print a GGUF file's config, tensors and tokenizer facts")
     p.add_argument("gguf", help=model_help)
+=======
+    p = sub.add_parser("inspect", help="print a GGUF file's config, tensors and tokenizer facts, "
+                                       "or a build folder's per-tensor weight formats")
+    p.add_argument("gguf", help="a GGUF file, or a build folder (its manifest.json)")
+>>>>>>> 223876f
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(handler=cmd_inspect)
 
@@ -522,8 +536,11 @@ def build_parser() -> argparse.ArgumentParser:
                                       "default: fewest shards under --max-shard-mb")
     p.add_argument("--max-seq", type=int, default=2048,
                    help="context window S (KV slots); a multiple of 32")
-    p.add_argument("--weights", choices=["int8-channel", "q8-block", "fp16"],
-                   default="int8-channel")
+    p.add_argument("--weights", choices=["auto", "int8-channel", "q8-block", "fp16"],
+                   default="auto",
+                   help="auto (default): per tensor, int8 per channel where its cosine against "
+                        "the file's values reaches --min-weight-cosine, else an 8-bit LUT per "
+                        "group of rows, else fp16; the others force one format")
     p.add_argument("--layout", choices=["BCT1", "BC1T"], default="BCT1",
                    help="hidden-state layout [1,d,T,1] (ane-book, default) or [1,d,1,T] (Apple)")
     p.add_argument("--head-chunks", type=int, default=4)
@@ -534,7 +551,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "largest shard measured ANE-resident, 1,921 MiB; above ~2.3 GiB ran "
                         "off the ANE)")
     p.add_argument("--min-weight-cosine", type=float, default=DEFAULT_MIN_WEIGHT_COSINE,
-                   help="fail if requantized weights agree less with the GGUF values")
+                   help="per-tensor cosine floor against the GGUF values: auto picks the first "
+                        "format that reaches it; a forced format below it fails")
     p.add_argument("--force", action="store_true",
                    help="replace an existing output folder (unchanged shards are reused)")
     p.set_defaults(handler=cmd_build)
@@ -645,8 +663,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("gguf")
     p.add_argument("--layer", type=int, default=0)
     p.add_argument("--max-seq", type=int, default=2048)
-    p.add_argument("--weights", choices=["int8-channel", "q8-block", "fp16"],
-                   default="int8-channel")
+    p.add_argument("--weights", choices=["auto", "int8-channel", "q8-block", "fp16"],
+                   default="auto")
     _add_probe_output_args(p)
     p.set_defaults(handler=cmd_probe_layer)
     return parser

@@ -107,14 +107,17 @@ def test_wrong_architecture(tiny_gguf: Path, tmp_path: Path) -> None:
 
 
 def test_unsupported_tensor_type(tiny_gguf: Path, tmp_path: Path) -> None:
-    def to_q4(name: str, data: np.ndarray, qtype: GGMLQuantizationType):
+    """Q8_1 is a ggml type (llama.cpp's activation format) that gguf-py cannot dequantize: it is
+    refused at open, naming the tensor and the type."""
+    def to_q8_1(name: str, data: np.ndarray, qtype: GGMLQuantizationType):
         if name == "blk.0.ffn_up.weight":
-            w = gguf_dequantize(data, qtype)
-            return gguf_quantize(w, GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0
+            rows = gguf_dequantize(data, qtype).shape[0]
+            return np.zeros((rows, 192 // 32 * 40), np.uint8), GGMLQuantizationType.Q8_1
         return None
 
-    p = rewrite_gguf(tiny_gguf, tmp_path / "q4.gguf", tensor_override=to_q4)
-    with pytest.raises(GGUFError, match=r"blk\.0\.ffn_up\.weight' has type Q4_0"):
+    p = rewrite_gguf(tiny_gguf, tmp_path / "q8_1.gguf", tensor_override=to_q8_1)
+    with pytest.raises(GGUFError, match=r"blk\.0\.ffn_up\.weight' has type Q8_1, which gguf-py "
+                                        "cannot dequantize"):
         open_gguf(p)
 
 

@@ -13,8 +13,8 @@ from ane_spec.shards import weights as W
 def test_q8_0_fast_path_matches_generic_requantization(tiny_gguf: Path) -> None:
     t = open_gguf(tiny_gguf).tensor("blk.0.ffn_up.weight")
     fast_acc, slow_acc = W._CosineAccumulator(), W._CosineAccumulator()
-    q_fast, s_fast = W._requantize_q8_0_rows(t, 0, t.shape[0], fast_acc)
-    q_slow, s_slow = W._convert_float_rows(t, 0, t.shape[0], "int8-channel", slow_acc)
+    q_fast, s_fast = W._requantize_q8_0_rows(t, np.arange(t.shape[0]), fast_acc)
+    q_slow, s_slow = W._convert_float_rows(t, np.arange(t.shape[0]), "int8-channel", slow_acc)
     np.testing.assert_array_equal(s_fast, s_slow)
     # rint of qs*(d/s) vs rint((qs*d)/s): the two float orders may round a .5 tie differently.
     assert np.abs(q_fast.astype(int) - q_slow.astype(int)).max() <= 1

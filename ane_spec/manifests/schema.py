@@ -79,13 +79,23 @@ class TensorSpec(_Strict):
     dtype: Literal["fp16", "fp32", "int32"]
 
 
+class TensorQuant(_Strict):
+    """What one GGUF tensor (or LM-head chunk of one) became, and why."""
+
+    format: Literal["int8-channel", "lut8", "q8-block", "fp16"]
+    cosine: float  # of the stored values against the file's own, dequantized
+    reason: str = Field(max_length=400)  # e.g. "lut8: int8-channel cos 0.998710 < 0.999"
+
+
 class QuantStats(_Strict):
     """Agreement of the stored weights with the GGUF's values (cosine per tensor)."""
 
-    format: str
+    format: str          # what the build requested: auto, int8-channel, q8-block or fp16
     worst_cosine: float  # finite (every float in a manifest is); may round past 1.0
     worst_tensor: str
     mean_cosine: float
+    # Per tensor (builds before per-tensor formats have none): its format, cosine and reason.
+    tensors: dict[str, TensorQuant] = Field(default_factory=dict)
 
 
 class SourceInfo(_Strict):
@@ -110,7 +120,7 @@ class BuildOptions(_Strict):
                              f"{list(self.t_range)}")
         return self
     layout: Literal["BCT1", "BC1T"]
-    weights: Literal["int8-channel", "q8-block", "fp16"]
+    weights: Literal["auto", "int8-channel", "q8-block", "fp16"]
     head_chunks: Count
     head_argmax: bool
     min_weight_cosine: float = Field(gt=0.0, le=1.0)

@@ -19,14 +19,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 from pydantic import ValidationError
 
 from ane_spec.errors import ConfigError, GGUFError, TokenizerError, describe, untrusted
 from ane_spec.model.architectures import get_architecture
 from ane_spec.model.config import ModelConfig, first_error
 from ane_spec.model.gguf_format import GGUFContents, file_identity, read_gguf
-from ane_spec.model.quant import bf16_to_float32, q8_0_blocks, q8_0_dequantize
+from ane_spec.model.quant import (
+    DEQUANTIZABLE,
+    FLOAT_TYPES,
+    bf16_to_float32,
+    dequantize_rows,
+    q8_0_blocks,
+    q8_0_dequantize,
+)
 from ane_spec.model.rope import RopeSpec, make_rope_spec
 from ane_spec.model.tokenizer import (
     TokenizerData,
@@ -35,12 +42,9 @@ from ane_spec.model.tokenizer import (
     strip_rule_for_name,
 )
 
-SUPPORTED_TYPES = {
-    GGMLQuantizationType.F32: "F32",
-    GGMLQuantizationType.F16: "F16",
-    GGMLQuantizationType.BF16: "BF16",
-    GGMLQuantizationType.Q8_0: "Q8_0",
-}
+# Every type gguf-py can dequantize (quant.py): the float types, the legacy and K-quants, the
+# IQ, ternary and FP4 types. Q8_0 and the float types keep zero-copy fast paths.
+SUPPORTED_TYPES = {t: t.name for t in sorted(DEQUANTIZABLE, key=lambda t: t.value)}
 
 
 @dataclass(frozen=True)
@@ -77,13 +81,30 @@ class Tensor:
         blocks = q8_0_blocks(self.raw, self.shape[-1])
         return blocks["qs"], blocks["d"]
 
+    @property
+    def is_float(self) -> bool:
+        """F32, F16 or BF16: values, not blocks (nothing to requantize from)."""
+        return self.type in FLOAT_TYPES
+
     def rows(self, index: np.ndarray | list[int], dtype: np.dtype = np.float32) -> np.ndarray:
-        """Dequantize selected rows only (embedding lookup, chunked head): `[len(index), in]`."""
+        """Dequantize selected rows only (embedding lookup, chunked head): `[len(index), in]`.
+
+        Costs the selected rows only, whatever the type: a block type's rows are whole blocks
+        (gguf_format checked that every row is a whole number of blocks), so the row's bytes go
+        through gguf-py's own `dequantize` and nothing else of the tensor is touched."""
         idx = np.asarray(index, dtype=np.int64).reshape(-1)
         if self.is_q8_0:
             qs, d = self.q8_0()
             return q8_0_dequantize(qs[idx], d[idx], dtype)
-        return self._widen(self.raw.reshape(self.shape[0], -1)[idx]).astype(dtype, copy=False)
+        if self.type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+                         GGMLQuantizationType.BF16):
+            return self._widen(self.raw.reshape(self.shape[0], -1)[idx]).astype(dtype, copy=False)
+        rows = self.raw.reshape(self.shape[0], -1)[idx]
+        return dequantize_rows(rows, self.type, self.shape[-1]).astype(dtype, copy=False)
+
+    def rows_per_chunk(self, budget_elements: int = 1 << 22) -> int:
+        """Rows whose float32 values take about `budget_elements` x 4 bytes (16 MB)."""
+        return max(1, budget_elements // max(1, self.shape[-1]))
 
     def row_chunks(self, rows_per_chunk: int, dtype: np.dtype = np.float32
                    ) -> Iterator[tuple[int, np.ndarray]]:
@@ -110,10 +131,19 @@ class Tensor:
             self.mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def dequantize(self, dtype: np.dtype = np.float32) -> np.ndarray:
-        """The whole tensor as floats: allocates, so call it per tensor, not per model."""
+        """The whole tensor as floats: allocates the whole float tensor, so it is for vectors,
+        tests and the reference; the build reads matrices with `rows`/`row_chunks`."""
         if self.is_q8_0:
             qs, d = self.q8_0()
             return q8_0_dequantize(qs, d, dtype).reshape(self.shape)
+        if not self.is_float:
+            rows = self.raw.reshape(-1, self.raw.shape[-1])
+            out = np.empty((rows.shape[0], self.shape[-1]), dtype)
+            step = self.rows_per_chunk()
+            for r0 in range(0, rows.shape[0], step):
+                out[r0:r0 + step] = dequantize_rows(rows[r0:r0 + step], self.type,
+                                                    self.shape[-1])
+            return out.reshape(self.shape)
         return self._widen(self.raw).astype(dtype, copy=False).reshape(self.shape)
 
     def _widen(self, raw: np.ndarray) -> np.ndarray:
@@ -251,6 +281,19 @@ class GGUFModel:
         return tokenizer_data_from_metadata(self.metadata, self.path.name)
 
     @property
+    def file_type_name(self) -> str:
+        """`general.file_type` as llama.cpp names it (`Q4_K_M`, `Q8_0`, `F16`), or what the
+        attention matrices' types say when the key is absent or unknown."""
+        code = self.metadata.get("general.file_type")
+        if isinstance(code, int) and not isinstance(code, bool):
+            try:
+                name = LlamaFileType(code).name
+            except ValueError:
+                return f"unknown ({code})"
+            return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        return self.file_type
+
+    @property
     def file_type(self) -> str:
         types = {t.type_name for n, t in self.tensors.items()
                  if n.endswith(("attn_qkv.weight", "attn_q.weight"))}
@@ -333,14 +376,14 @@ def _map_tensors(contents: GGUFContents, name: str) -> dict[str, Tensor]:
         qtype = info.ggml_type
         if qtype not in SUPPORTED_TYPES:
             raise GGUFError(
-                f"{name}: tensor {untrusted(info.name)} has type {qtype.name}; supported types "
-                f"are {', '.join(SUPPORTED_TYPES.values())} (requantize the file to Q8_0)")
+                f"{name}: tensor {untrusted(info.name)} has type {qtype.name}, which gguf-py "
+                f"cannot dequantize; supported types are {', '.join(SUPPORTED_TYPES.values())}")
         shape = tuple(int(x) for x in reversed(info.dims)) or (1,)  # a 0-dim tensor is a scalar
         if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             dtype = np.float32 if qtype == GGMLQuantizationType.F32 else np.float16
             raw = np.frombuffer(contents.mapping, dtype, math.prod(shape), info.offset)
             raw = raw.reshape(shape)
-        else:  # Q8_0, BF16: bytes, one row of the matrix per row of the array
+        else:  # block types and BF16: bytes, one row of the matrix per row of the array
             block, type_size = GGML_QUANT_SIZES[qtype]
             raw = np.frombuffer(contents.mapping, np.uint8, info.nbytes, info.offset)
             raw = raw.reshape(math.prod(shape[:-1]), shape[-1] // block * type_size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from ane_spec.model.gguf_file import GGUFModel, optional_tensor_shapes
@@ -12,6 +13,7 @@ from ane_spec.model.tokenizer import Tokenizer
 def describe(model: GGUFModel) -> dict[str, Any]:
     tok = Tokenizer.from_data(model.tokenizer_data)
     types = Counter(t.type_name for t in model.tensors.values())
+    matrices = Counter(t.type_name for t in model.tensors.values() if len(t.shape) > 1)
     data = model.tokenizer_data
     return {
         "path": str(model.path),
@@ -24,7 +26,9 @@ def describe(model: GGUFModel) -> dict[str, Any]:
                              if n in model.tensors)},
         "config": model.config.model_dump(),
         "parameters": model.config.num_parameters(),
+        "file_type": model.file_type_name,
         "tensors": {"count": len(model.tensors), "types": dict(sorted(types.items())),
+                    "matrix_types": dict(sorted(matrices.items())),
                     "bytes": sum(t.nbytes for t in model.tensors.values())},
         "tokenizer": {
             "model": data.model, "pre": data.pre, "vocab_size": tok.vocab_size,
@@ -51,7 +55,7 @@ def format_description(d: dict[str, Any]) -> str:
         f"  context {c['context_length']} (original {c['original_context_length']}), "
         f"rope base {c['rope_freq_base']:g}, attn factor {c['rope_attn_factor']:.7f}, "
         f"rms eps {c['rms_eps']:g}, {'tied' if c['tied_embeddings'] else 'separate'} LM head",
-        f"  tensors: {d['tensors']['count']} "
+        f"  file type {d['file_type']}; tensors: {d['tensors']['count']} "
         + ", ".join(f"{k} x{v}" for k, v in d["tensors"]["types"].items())
         + f", {d['tensors']['bytes'] / 1e6:,.1f} MB",
     ]
@@ -60,4 +64,36 @@ def format_description(d: dict[str, Any]) -> str:
                  f"{t['merges']} merges, {t['special_tokens']} special, eog {t['eog_ids']}, "
                  f"{'BOS added' if t['add_bos'] else 'no BOS'}, "
                  f"chat template {t['chat_template']}")
+    return "\n".join(lines)
+
+
+def describe_build(folder: Path) -> dict[str, Any]:
+    """A build folder's weights: per package, each tensor's format, cosine and reason."""
+    from ane_spec.manifests.store import load_manifest
+
+    m = load_manifest(folder, verify=False).manifest
+    packages = {}
+    for entry in [*m.shards, m.head]:
+        packages[entry.file.path] = {
+            "bytes": entry.file.bytes, "requested": entry.quant.format,
+            "worst_cosine": entry.quant.worst_cosine, "worst_tensor": entry.quant.worst_tensor,
+            "tensors": {n: t.model_dump() for n, t in entry.quant.tensors.items()}}
+    formats = Counter(t["format"] for p in packages.values() for t in p["tensors"].values())
+    return {"path": str(folder), "name": m.name, "source": m.source.path,
+            "weights": m.build.weights, "min_weight_cosine": m.build.min_weight_cosine,
+            "formats": dict(sorted(formats.items())), "embeddings": m.embeddings.format,
+            "packages": packages}
+
+
+def format_build(d: dict[str, Any]) -> str:
+    lines = [f"{d['path']}  (build '{d['name']}' of {d['source']})",
+             f"  weights {d['weights']}, floor {d['min_weight_cosine']}: "
+             + (", ".join(f"{f} x{n}" for f, n in d["formats"].items())
+                or "no per-tensor record (built before per-tensor formats)")
+             + f"; host embeddings {d['embeddings']}"]
+    for path, p in d["packages"].items():
+        lines.append(f"  {path} ({p['bytes'] / 2**20:,.1f} MiB)")
+        for name, t in p["tensors"].items():
+            lines.append(f"    {name:<32} {t['format']:<13} cos {t['cosine']:.6f}  "
+                         f"{t['reason']}")
     return "\n".join(lines)

@@ -1,4 +1,9 @@
-"""Q8_0 blocks as numpy views, plus the few element types a Phi-4-mini GGUF uses.
+"""GGUF tensor types: every block type through gguf-py's own dequantization, Q8_0 as views.
+
+Dequantization is never written here: `dequantize_rows` hands whole rows of blocks to
+`gguf.quants.dequantize`, the code llama.cpp's own Python tools use, so a K-quant or IQ file
+reads as llama.cpp defines it. The callers bound the work (a chunk of rows at a time); gguf-py
+itself works through 16 rows at a time, so its temporaries stay a few times one chunk.
 
 A Q8_0 row of n values is n/32 blocks of 34 bytes: an fp16 scale `d` then 32 int8 `qs`, and
 value = d * qs[j]. Viewing the raw bytes through a structured dtype gives the scales and the
@@ -8,6 +13,39 @@ int8 values without copying anything out of the memmap.
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+from ane_spec.errors import GGUFError
+
+FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+                         GGMLQuantizationType.BF16})
+# What gguf-py can dequantize: its registered block types plus the two it handles inline.
+DEQUANTIZABLE = frozenset(gguf_quants._type_traits) | FLOAT_TYPES
+
+
+def dequantize_rows(raw_rows: np.ndarray, qtype: GGMLQuantizationType, row_length: int
+                    ) -> np.ndarray:
+    """Raw bytes of whole rows `[n, row_bytes]` -> float32 `[n, row_length]` via gguf-py."""
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if raw_rows.shape[-1] != row_length // block * type_size or row_length % block:
+        # gguf_format checks this for every tensor; a caller slicing wrongly gets a clear error.
+        raise GGUFError(f"{qtype.name} rows of {row_length} values need "
+                        f"{row_length // block * type_size} bytes each, got {raw_rows.shape[-1]}")
+    # gguf-py works through 16 of its rows per numpy pass; short rows make that many small
+    # passes. Blocks are independent and stay in order, so k short rows are handed over as one
+    # longer row when k divides the count (its own code, fewer passes: ~1.4x on 896-wide Q5_0).
+    n = raw_rows.shape[0]
+    k = max(1, _GGUF_ROW_VALUES // row_length)
+    while n % k:
+        k -= 1
+    rows = np.ascontiguousarray(raw_rows).reshape(n // k, -1)
+    with np.errstate(all="ignore"):  # non-finite scales are the caller's to refuse, by name
+        values = gguf_quants.dequantize(rows, qtype)
+    return values.reshape(n, row_length)
+
+
+_GGUF_ROW_VALUES = 4096
 
 Q8_0_BLOCK = 32
 Q8_0_BLOCK_BYTES = 34

@@ -40,14 +40,22 @@ def parity_thresholds(precision: str | None) -> dict[str, float]:
             "decisive_argmax_agreement": 1.0}
 
 
-def stored_weights(weights: str):
-    """The values a build of format `weights` holds for each GGUF tensor (see module docstring)."""
+def stored_weights(weights: str, per_tensor: dict[str, str] | None = None):
+    """The values a build of format `weights` holds for each GGUF tensor (see module docstring).
+
+    `per_tensor` (the manifest's tensor -> format, from an `auto` build) overrides `weights`
+    per tensor. A lut8 tensor is taken at the file's own values: its table is a fit, not a
+    definition this gate could re-derive independently, so its small error (cos >= the build's
+    floor, ~0.99998 typically) stays inside what the gate measures."""
+    per_tensor = per_tensor or {}
+
     def transform(name: str, values: np.ndarray) -> np.ndarray:
         if values.ndim == 1:
             return values.astype(np.float16).astype(np.float32)
-        if weights == "fp16":
+        fmt = per_tensor.get(name, weights)
+        if fmt == "fp16":
             return values.astype(np.float16).astype(np.float32)
-        if weights == "int8-channel":
+        if fmt in ("int8-channel", "auto"):
             amax = np.abs(values).max(axis=1, keepdims=True)
             scale = np.where(amax == 0, 1.0, amax / 127.0).astype(np.float16).astype(np.float32)
             return np.clip(np.rint(values / scale), -127, 127) * scale
@@ -86,7 +94,9 @@ def run_parity(loaded: LoadedManifest, pipeline: ShardPipeline, gguf,
     thresholds = parity_thresholds(precision)
     window = m.build.max_seq
     graph_ref = ReferenceModel(gguf, context_window=window,
-                               weight_transform=stored_weights(m.build.weights))
+                               weight_transform=stored_weights(m.build.weights, {
+                                   n: t.format for p in [*m.shards, m.head]
+                                   for n, t in p.quant.tensors.items()}))
     model_ref = ReferenceModel(gguf, context_window=window)
     specials = special_token_ids(pipeline)
     graph, model, per_prompt = _Tally(), _Tally(), []

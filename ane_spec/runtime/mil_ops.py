@@ -372,6 +372,36 @@ def _constexpr_blockwise_shift_scale(a: Args) -> np.ndarray:
     return out.reshape(data.shape)
 
 
+def _constexpr_lut_to_dense(a: Args) -> np.ndarray:
+    """iOS18 palettization: `indices` of rank K, `lut` [l_0..l_{K-1}, 2^nbits, 1]; axis i of the
+    indices is split into l_i equal blocks, each with its own table (scalar palettization only:
+    the check refuses a vector size other than 1)."""
+    indices, lut = np.asarray(a["indices"]), np.asarray(a["lut"])
+    k = indices.ndim
+    blocked, table_shape = [], []
+    for n, blocks in zip(indices.shape, lut.shape[:k]):
+        blocked += [blocks, n // blocks]
+        table_shape += [blocks, 1]
+    tables = lut[..., 0].reshape(table_shape + [lut.shape[k]])
+    picked = indices.astype(np.intp).reshape(blocked + [1])
+    out = np.take_along_axis(tables.astype(np.float32), picked, axis=-1)
+    return out.reshape(indices.shape)
+
+
+def _check_lut_to_dense(op: Any, known: Args) -> str | None:
+    lut, indices = known.get("lut"), known.get("indices")
+    if lut is None or indices is None:
+        return "lut and indices must be constants"
+    lut, indices = np.asarray(lut), np.asarray(indices)
+    if lut.ndim != indices.ndim + 2 or lut.shape[-1] != 1:
+        return f"only scalar palettization (lut rank indices+2, vector size 1), got {lut.shape}"
+    if any(b == 0 or n % b for n, b in zip(indices.shape, lut.shape[:indices.ndim])):
+        return f"lut blocks {lut.shape[:indices.ndim]} do not divide indices {indices.shape}"
+    if indices.size and int(indices.max()) >= lut.shape[-2]:
+        return f"an index is past the {lut.shape[-2]}-entry table"
+    return None
+
+
 def _constexpr_affine_dequantize(a: Args) -> np.ndarray:
     data = a["quantized_data"]
     axis = as_int(a["axis"]) % data.ndim
@@ -395,6 +425,7 @@ BATCHED_KERNELS: dict[str, Kernel] = {"matmul": _matmul_batched, "conv": _conv_b
 OPS: dict[str, OpDef] = {
     "constexpr_blockwise_shift_scale": OpDef(_constexpr_blockwise_shift_scale),
     "constexpr_affine_dequantize": OpDef(_constexpr_affine_dequantize),
+    "constexpr_lut_to_dense": OpDef(_constexpr_lut_to_dense, check=_check_lut_to_dense),
     "conv": OpDef(_conv, check=_check_conv),
     "linear": OpDef(_linear),
     "matmul": OpDef(_matmul),

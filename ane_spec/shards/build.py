@@ -45,6 +45,7 @@ from ane_spec.manifests.schema import (
     Manifest,
     QuantStats,
     ShardEntry,
+    TensorQuant,
     SourceInfo,
     TensorSpec,
 )
@@ -65,6 +66,7 @@ from ane_spec.shards.static_checks import check_package
 from ane_spec.shards.topology import (
     DEFAULT_MAX_SHARD_MB,
     MAX_HEAD_CHANNELS,
+    MIB,
     check_budget,
     min_head_chunks,
     parse_topology,
@@ -72,9 +74,11 @@ from ane_spec.shards.topology import (
 )
 from ane_spec.shards.weights import (
     DEFAULT_MIN_WEIGHT_COSINE,
+    Part,
+    TensorChoice,
     WeightFormat,
     check_tensor_finite,
-    convert_matrix,
+    convert_parts,
     require_finite,
 )
 
@@ -88,7 +92,7 @@ class BuildRequest(BaseModel):
 
     topology: str | None = None
     max_seq: int = 2048
-    weights: WeightFormat = "int8-channel"
+    weights: WeightFormat = "auto"
     layout: Layout = "BCT1"
     head_chunks: int = 4
     head_argmax: bool = False
@@ -104,6 +108,7 @@ class BuildResult:
     reused: list[str] = field(default_factory=list)
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)  # ANE limits the request runs into
+    summary: list[str] = field(default_factory=list)   # weights per format, worst tensors
 
 
 def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
@@ -191,8 +196,8 @@ def _build_into(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
             t0 = time.monotonic()
             entry = _build_shard(model, request, a, b, tmp, rel, fp, variant)
             say(f"{label}: built in {time.monotonic() - t0:.1f}s, "
-                f"{entry.file.bytes / 2**20:,.1f} MiB, worst weight cosine "
-                f"{entry.quant.worst_cosine:.6f}")
+                f"{entry.file.bytes / 2**20:,.1f} MiB, {_format_counts(entry.quant)}, worst "
+                f"weight cosine {entry.quant.worst_cosine:.6f}")
             result.built.append(rel)
         model.check_unchanged()
         shards.append(entry)
@@ -209,7 +214,7 @@ def _build_into(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
         t0 = time.monotonic()
         head = _build_head(model, request, tmp, rel, fp)
         say(f"LM head: {len(head.chunks)} chunks built in {time.monotonic() - t0:.1f}s, "
-            f"{head.file.bytes / 2**20:,.1f} MiB")
+            f"{head.file.bytes / 2**20:,.1f} MiB, {_format_counts(head.quant)}")
         result.built.append(rel)
     shutil.rmtree(_converter_tmp(tmp), ignore_errors=True)
 
@@ -234,6 +239,7 @@ def _build_into(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
         rope=model.rope_spec(request.max_seq), shards=shards, head=head,
         embeddings=embeddings)
     write_manifest(manifest, tmp)
+    result.summary = quant_summary(manifest)
     return result
 
 
@@ -346,6 +352,8 @@ def _fingerprint(options: BuildOptions, r: BuildRequest, what: tuple, tensor_sha
     relevant = {
         "compiler": GRAPH_REVISION, "what": what, "config": model.config.model_dump(),
         "max_seq": options.max_seq, "layout": options.layout, "weights": options.weights,
+        # Under auto the floor picks each tensor's format, so it changes the packages.
+        "min_weight_cosine": options.min_weight_cosine if options.weights == "auto" else None,
         "variant": repr(variant),
         "head": [options.head_chunks, options.head_argmax] if what[0] == "head" else None,
         "rope": model.rope_spec(r.max_seq).model_dump() if what[0] == "layers" else None,
@@ -399,9 +407,19 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 def _build_shard(model: GGUFModel, r: BuildRequest, a: int, b: int, tmp: Path, rel: str,
                  fp: str, variant: GraphVariant) -> ShardEntry:
-    cosines: dict[str, float] = {}
-    layers = [layer_weights(model, i, r.weights, cosines) for i in range(a, b)]
-    quant = _quant_stats(r, cosines)
+    choices: dict[str, TensorChoice] = {}
+    layers = [layer_weights(model, i, r.weights, choices, r.min_weight_cosine)
+              for i in range(a, b)]
+    quant = _quant_stats(r, choices)
+    stored = sum(w.nbytes for lw in layers
+                 for w in (lw.qkv, lw.attn_output, lw.ffn_up, lw.ffn_down))
+    if stored > r.max_shard_mb * MIB:
+        fp16 = sorted(n for n, ch in choices.items() if ch.format == "fp16")
+        raise BuildError(f"shard [{a},{b}) holds {stored / MIB:,.0f} MiB of weights, over "
+                         f"--max-shard-mb {r.max_shard_mb}"
+                         + (f" ({len(fp16)} tensor(s) fell back to fp16, e.g. '{fp16[0]}')"
+                            if fp16 else "")
+                         + "; give it fewer layers with --topology")
     holder = [layer_program(a, layers, model.config, r.max_seq, r.layout, variant)]
     del layers
     ref, (inputs, outputs, states) = _save_checked(holder, tmp, rel, "layers", r.weights)
@@ -414,14 +432,15 @@ def _build_head(model: GGUFModel, r: BuildRequest, tmp: Path, rel: str, fp: str)
     t = model.lm_head
     bounds = np.linspace(0, c.vocab_size, r.head_chunks + 1).astype(int)
     chunks = [(int(s), int(e)) for s, e in zip(bounds[:-1], bounds[1:])]
-    cosines: dict[str, float] = {}
+    choices: dict[str, TensorChoice] = {}
     weights = []
     for n, (s, e) in enumerate(chunks):
-        w = convert_matrix(t, r.weights, slice(s, e))
+        w = convert_parts([Part(t, np.arange(s, e), f"{t.name}[{s}:{e}]")], r.weights,
+                          r.min_weight_cosine)
         t.release(s, e)
-        cosines[f"{t.name}[{s}:{e}]"] = w.cosine
+        choices.update({ch.name: ch for ch in w.choices})
         weights.append(w)
-    quant = _quant_stats(r, cosines)
+    quant = _quant_stats(r, choices)
     norm = finite_vector(model.tensor("output_norm.weight"))
     holder = [head_program(norm, weights, c, r.layout, r.head_argmax)]
     del weights
@@ -462,16 +481,48 @@ def _converter_tmp(tmp: Path) -> Path:
     return tmp / "converter-tmp"
 
 
-def _quant_stats(r: BuildRequest, cosines: dict[str, float]) -> QuantStats:
+def _quant_stats(r: BuildRequest, choices: dict[str, TensorChoice]) -> QuantStats:
     # A NaN cosine counts as the worst and fails the gate (`NaN < x` is False, so a plain
     # comparison would pass it); weights.py refuses non-finite values before it gets here.
+    cosines = {n: ch.cosine for n, ch in choices.items()}
     worst = min(cosines, key=lambda k: -np.inf if np.isnan(cosines[k]) else cosines[k])
     if not cosines[worst] >= r.min_weight_cosine:
-        raise BuildError(f"{r.weights} weights of '{worst}' reach cosine {cosines[worst]:.6f} "
+        got = choices[worst].format
+        advice = ("even fp16 cannot hold them (values beyond or below fp16's range?)"
+                  if r.weights == "auto" else
+                  "use --weights auto (the default: a finer form where int8 falls short) "
+                  "or fp16 for this model")
+        raise BuildError(f"{got} weights of '{worst}' reach cosine {cosines[worst]:.6f} "
                          f"against the GGUF values, below --min-weight-cosine "
-                         f"{r.min_weight_cosine}; use --weights q8-block or fp16 for this model")
+                         f"{r.min_weight_cosine}; {advice}")
     return QuantStats(format=r.weights, worst_cosine=cosines[worst], worst_tensor=worst,
-                      mean_cosine=float(np.mean(list(cosines.values()))))
+                      mean_cosine=float(np.mean(list(cosines.values()))),
+                      tensors={n: TensorQuant(format=ch.format, cosine=ch.cosine,
+                                              reason=ch.reason[:400])
+                               for n, ch in choices.items()})
+
+
+def _format_counts(q: QuantStats) -> str:
+    """e.g. `int8-channel x12, lut8 x2`."""
+    counts: dict[str, int] = {}
+    for t in q.tensors.values():
+        counts[t.format] = counts.get(t.format, 0) + 1
+    return ", ".join(f"{f} x{n}" for f, n in sorted(counts.items())) or q.format
+
+
+def quant_summary(manifest: Manifest, worst: int = 5) -> list[str]:
+    """A build's weights in a few lines: tensors and bytes per format, the worst tensors."""
+    tensors = {n: t for p in [*manifest.shards, manifest.head] for n, t in p.quant.tensors.items()}
+    if not tensors:
+        return []
+    counts: dict[str, int] = {}
+    for t in tensors.values():
+        counts[t.format] = counts.get(t.format, 0) + 1
+    lines = ["weights: " + ", ".join(f"{f} x{n}" for f, n in sorted(counts.items()))
+             + f" (requested {manifest.build.weights}, floor {manifest.build.min_weight_cosine})"]
+    for name, t in sorted(tensors.items(), key=lambda kv: kv[1].cosine)[:worst]:
+        lines.append(f"  {name}: {t.format}, cos {t.cosine:.6f} ({t.reason})")
+    return lines
 
 
 def _interface(prog: Program) -> tuple[list[TensorSpec], list[TensorSpec], list[TensorSpec]]:

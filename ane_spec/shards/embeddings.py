@@ -2,6 +2,12 @@
 
 Q8_0 tables are stored as int8 `qs` `[V, d]` plus fp16 scales `[V, d/32]` and dequantized per
 looked-up row; a float32 copy of Phi-4-mini's table would be 2.4 GB for a lookup of a few rows.
+
+Other block types (Q4_K, Q5_0, Q6_K, IQ*, ...) are requantized to Q8_0 blocks, a chunk of rows at
+a time: the host table stays ~1.06 bytes per weight, as small as the Q8_0 build's and half of
+fp16's (Phi-4-mini: 650 MB, not 1.2 GB), and Q8_0's error (step/sqrt(12) with 32-value blocks)
+is far below the 4-6-bit source's own, so the lookup adds nothing a reader could measure. The
+float types (F32, F16, BF16) stay fp16 as before: nothing to gain from blocks there.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ane_spec.model.gguf_file import Tensor
+from ane_spec.model.quant import q8_0_blocks, q8_0_quantize
 
 ROWS_PER_CHUNK = 16384
 
@@ -19,16 +26,23 @@ def write_embeddings(t: Tensor, folder: Path) -> tuple[str, dict[str, Path]]:
     """Write the table as .npy files in row chunks; returns (format, role -> path)."""
     folder.mkdir(parents=True, exist_ok=True)
     vocab, dim = t.shape
-    if t.is_q8_0:
+    if t.is_q8_0 or not t.is_float:
         qs_path, scales_path = folder / "embed_qs.npy", folder / "embed_scales.npy"
         qs_out = np.lib.format.open_memmap(qs_path, "w+", np.int8, (vocab, dim))
         sc_out = np.lib.format.open_memmap(scales_path, "w+", np.float16, (vocab, dim // 32))
-        qs, d = t.q8_0()
-        for r0 in range(0, vocab, ROWS_PER_CHUNK):
-            r1 = min(vocab, r0 + ROWS_PER_CHUNK)
-            qs_out[r0:r1] = qs[r0:r1].reshape(r1 - r0, dim)
-            sc_out[r0:r1] = d[r0:r1]
-            t.release(r0, r1)
+        if t.is_q8_0:
+            qs, d = t.q8_0()
+            for r0 in range(0, vocab, ROWS_PER_CHUNK):
+                r1 = min(vocab, r0 + ROWS_PER_CHUNK)
+                qs_out[r0:r1] = qs[r0:r1].reshape(r1 - r0, dim)
+                sc_out[r0:r1] = d[r0:r1]
+                t.release(r0, r1)
+        else:
+            for r0, rows in t.row_chunks(t.rows_per_chunk()):
+                blocks = q8_0_blocks(q8_0_quantize(rows), dim)
+                r1 = r0 + rows.shape[0]
+                qs_out[r0:r1] = blocks["qs"].reshape(r1 - r0, dim)
+                sc_out[r0:r1] = blocks["d"]
         qs_out.flush()
         sc_out.flush()
         del qs_out, sc_out

@@ -76,6 +76,10 @@ def hidden_shape(d: int, t: object, layout: Layout) -> tuple[object, ...]:
 
 
 def conv_weight(w: ConvWeight, name: str) -> Var | np.ndarray:
+    """The conv's weight: an fp16 const, or a constexpr that decompresses one at load time
+    (int8 x per-row or per-block scale; uint8 indices into per-row-group fp16 tables)."""
+    if w.lut is not None:
+        return mb.constexpr_lut_to_dense(indices=w.data, lut=w.lut, name=name)
     if w.scale is None:
         return w.data
     return mb.constexpr_blockwise_shift_scale(data=w.data, scale=w.scale, name=name)

@@ -19,7 +19,7 @@ from ane_spec.errors import BuildError
 from ane_spec.shards.weights import WeightFormat
 
 LAYER_OPS = frozenset({
-    "const", "constexpr_blockwise_shift_scale", "conv", "concat", "layer_norm", "slice_by_index",
+    "const", "constexpr_blockwise_shift_scale", "constexpr_lut_to_dense", "conv", "concat", "layer_norm", "slice_by_index",
     "mul", "add", "sub", "split", "reshape", "transpose", "matmul", "reduce_sum", "reduce_max",
     "exp", "real_div", "silu", "read_state",
     # Finite-safe KV write (clip, equal, select) and attention mask (greater_equal, select).
@@ -48,10 +48,13 @@ class PackageFacts:
     states: dict[str, tuple[list[int], str]]                    # name -> (shape, dtype)
     ops: Counter = field(default_factory=Counter)
     conv_weights: list[tuple[str, str, list[int], list[int] | None]] = field(default_factory=list)
-    # (conv op name, weight source: "fp16"|"int8"|..., data shape, scale shape or None)
+    # (conv op name, weight source: "fp16"|"int8"|"lut8"|..., data shape, scale or LUT shape)
     output_dtypes: dict[str, str] = field(default_factory=dict)  # op output name -> tensor dtype
     blockwise: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
     # (output name, data shape, scale shape) of every constexpr_blockwise_shift_scale
+    palettized: list[tuple[str, str, list[int], list[int]]] = field(default_factory=list)
+    # (output name, "lut8" or what it is instead, indices shape, LUT shape) of every
+    # constexpr_lut_to_dense
     enumerated_inputs: list[str] = field(default_factory=list)  # inputs with EnumeratedShapes
     io_dtypes: dict[str, str] = field(default_factory=dict)  # model input/output name -> dtype
 
@@ -93,6 +96,13 @@ def read_package_facts(path: Path) -> PackageFacts:
             data, scale = _source(op, "data", produced), _source(op, "scale", produced)
             produced[out.name] = ("blockwise", data[1], data[2], scale[2])
             facts.blockwise.append((out.name, data[2], scale[2]))
+        elif op.type == "constexpr_lut_to_dense":
+            indices, lut = _source(op, "indices", produced), _source(op, "lut", produced)
+            # An 8-bit palette of fp16 entries is "lut8"; anything else is named as it is.
+            kind = ("lut8" if (indices[1], lut[1]) == ("uint8", "fp16")
+                    else f"lut({indices[1]} indices, {lut[1]} entries)")
+            produced[out.name] = ("lut", kind, indices[2], lut[2])
+            facts.palettized.append((out.name, kind, indices[2], lut[2]))
         elif op.type == "conv":
             src = _source(op, "weight", produced)
             facts.conv_weights.append((out.name, src[1], src[2], src[3]))
@@ -152,6 +162,12 @@ def dtype_problems(facts: PackageFacts) -> list[str]:
 
 def _weight_problem(fmt: WeightFormat, dtype: str, data: list[int],
                     scale: list[int] | None) -> str | None:
+    if fmt == "auto":  # each conv's own choice: int8 per channel, lut8 or fp16
+        if dtype == "fp16" and scale is None:
+            return None
+        if dtype == "lut8":
+            return _lut_problem(data, scale)
+        return _weight_problem("int8-channel", dtype, data, scale)
     if fmt == "fp16":
         return None if scale is None and dtype == "fp16" else f"weights are {dtype}, not fp16"
     if scale is None or dtype != "int8":
@@ -161,6 +177,16 @@ def _weight_problem(fmt: WeightFormat, dtype: str, data: list[int],
         return f"scale shape {scale} is not one scale per output channel"
     if fmt == "q8-block" and (per_channel or data[1] // scale[1] != 32):
         return f"scale shape {scale} is not one scale per 32 inputs"
+    return None
+
+
+def _lut_problem(indices: list[int], lut: list[int] | None) -> str | None:
+    """lut8 as weights.py writes it: [out, in, 1, 1] indices, a [groups, 1, 1, 1, 256, 1]
+    table of groups of whole output rows."""
+    if lut is None or len(lut) != len(indices) + 2 or lut[-2:] != [256, 1]:
+        return f"LUT shape {lut} is not 256 scalar entries per table"
+    if lut[1:len(indices)] != [1] * (len(indices) - 1) or lut[0] < 1 or indices[0] % lut[0]:
+        return f"LUT shape {lut} is not one table per group of output rows of {indices}"
     return None
 
 

@@ -1,20 +1,36 @@
-"""GGUF matrices -> conv weights `[out, in, 1, 1]` in one of three formats.
+"""GGUF matrices -> conv weights `[out, in, 1, 1]`, in a format chosen per tensor or requested.
 
-- `int8-channel` (default): requantize each row to symmetric int8 with one fp16 scale per output
-  channel, the format ane-book ran fully on the ANE. Requantizing loses a little against Q8_0;
-  the cosine against the Q8_0 dequantization is measured per tensor and gated.
+- `auto` (default): per tensor, the first of these whose cosine against the file's own
+  (dequantized) values reaches `--min-weight-cosine`:
+  1. `int8-channel`: symmetric int8 with one fp16 scale per output channel, the format ane-book
+     ran fully on the ANE (`constexpr_blockwise_shift_scale` with a per-row scale).
+  2. `lut8`: 8-bit palettization per group of output rows (`constexpr_lut_to_dense`, iOS18), a
+     256-entry fp16 table per group, as Anemll ships on the ANE. Its entries are fitted to the
+     group's values (quantile start, a few 1-D k-means steps), so an outlier input column gets
+     table entries of its own instead of stretching one step over the whole row: real weights
+     (outlier columns are normal) that int8 per channel rounds to cosine 0.998 keep 0.9999+.
+     Same size as int8 (1 byte a weight) plus 512 bytes per group.
+  3. `fp16`: plain half-precision constants, twice the size, the last resort.
+  A stacked matrix (q|k|v, gate|up: one conv) takes one format, the one its worst part needs;
+  each tensor's own cosine and the reason are recorded.
+- `int8-channel`: as in auto's first step, for every tensor; a tensor below the cosine floor is
+  refused, naming it.
 - `q8-block`: the GGUF's own Q8_0 blocks as `constexpr_blockwise_shift_scale` with one fp16 scale
-  per 32 inputs. Bit-identical to the file, but per-block scales are reported to leave the ANE.
+  per 32 inputs. Bit-identical to a Q8_0 file, but per-block scales give wrong results on the
+  ANE (apple/coreai-models#279); kept for comparisons, never chosen by auto.
 - `fp16`: plain half-precision constants.
 
 Every value is checked to be finite on the way in (the GGUF's Q8_0 scales or float values) and
 on the way out (fp16 weights and scales, which overflow past 65504): a NaN would otherwise pass
-the cosine gate (`cos < min` is False for NaN) and poison every logit of the build.
+the cosine gate (`cos < min` is False for NaN) and poison every logit of the build. Every source
+type is read a chunk of rows at a time (`Tensor.rows`), so no tensor is ever float32 whole.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -23,8 +39,23 @@ from ane_spec.errors import BuildError, untrusted
 from ane_spec.model.gguf_file import Tensor
 from ane_spec.model.quant import q8_0_quantize, q8_0_blocks
 
-WeightFormat = Literal["int8-channel", "q8-block", "fp16"]
-WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("int8-channel", "q8-block", "fp16")
+# What a build may request, and what a tensor may get.
+WeightFormat = Literal["auto", "int8-channel", "q8-block", "fp16"]
+WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("auto", "int8-channel", "q8-block", "fp16")
+StoredFormat = Literal["int8-channel", "lut8", "q8-block", "fp16"]
+STORED_FORMATS: tuple[StoredFormat, ...] = ("int8-channel", "lut8", "q8-block", "fp16")
+# auto's ladder, cheapest first; all are one conv weight, so the graph is the same whatever wins.
+AUTO_LADDER: tuple[StoredFormat, ...] = ("int8-channel", "lut8", "fp16")
+
+LUT_ENTRIES = 256
+LUT_BYTES = 2 * LUT_ENTRIES
+# Weights per LUT: with 16k weights a 512-byte table adds ~3% to the int8 size, and a group is a
+# few output rows (16 at d=1024, 4 at 3072, 1 above 16k inputs), so rows of very different
+# magnitudes seldom share a table.
+LUT_GROUP_WEIGHTS = 1 << 14
+# 1-D k-means (Lloyd) steps after the start table: on Gaussian rows with and without outlier
+# columns they take 1 - cos from ~3.0e-5 to ~2.5e-5; more steps change the next digit only.
+LUT_KMEANS_STEPS = 2
 
 # Worst per-tensor cosine allowed between requantized int8-channel weights and the Q8_0 values.
 # Per-row int8 noise is step/sqrt(12) with step = max|w_row|/127: for Gaussian rows (max ~4 sigma)
@@ -35,26 +66,54 @@ DEFAULT_MIN_WEIGHT_COSINE = 0.999
 
 
 @dataclass
+class TensorChoice:
+    """What one GGUF tensor got, and why (the manifest records it)."""
+
+    name: str
+    format: StoredFormat
+    cosine: float        # of the stored values against the file's own
+    reason: str
+
+
+@dataclass
 class ConvWeight:
     """Arrays ready for the MIL builder, plus how faithful they are to the GGUF values."""
 
-    format: WeightFormat
+    format: StoredFormat
     shape: tuple[int, int]          # (out, in)
-    data: np.ndarray                # int8 [out, in, 1, 1] or fp16 [out, in, 1, 1]
+    data: np.ndarray                # int8 / uint8 LUT indices / fp16, [out, in, 1, 1]
     scale: np.ndarray | None        # fp16 [out, 1, 1, 1] or [out, in/32, 1, 1]
     cosine: float                   # against the GGUF's float values (1.0 when exact)
+    lut: np.ndarray | None = None   # lut8: fp16 [out/group, 1, 1, 1, 256, 1]
+    choices: list[TensorChoice] = field(default_factory=list)
+    part_cosines: list[float] = field(default_factory=list)  # per stacked part
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes + (0 if self.scale is None else self.scale.nbytes)
+        return (self.data.nbytes + (0 if self.scale is None else self.scale.nbytes)
+                + (0 if self.lut is None else self.lut.nbytes))
 
 
-def estimate_bytes(out: int, inp: int, fmt: WeightFormat) -> int:
-    """Stored size of one matrix, for shard budgets before anything is built."""
+def lut_group(rows: list[int] | int, inp: int) -> int:
+    """Output rows per LUT: a power of two near LUT_GROUP_WEIGHTS / inp that divides every part
+    of a stacked matrix (their tables are stacked too)."""
+    parts = [rows] if isinstance(rows, int) else rows
+    g = 1
+    while g * 2 * inp <= LUT_GROUP_WEIGHTS and all(r % (g * 2) == 0 for r in parts):
+        g *= 2
+    return g
+
+
+def estimate_bytes(out: int, inp: int, fmt: WeightFormat | StoredFormat) -> int:
+    """Stored size of one matrix, for shard budgets before anything is built. `auto` is costed
+    at its larger 1-byte form (lut8: int8 plus the tables); a tensor that falls back to fp16 is
+    caught by the build's check of the shard's real size."""
     if fmt == "fp16":
         return 2 * out * inp
     if fmt == "q8-block":
         return out * inp + 2 * out * (inp // 32)
+    if fmt in ("lut8", "auto"):
+        return out * inp + LUT_BYTES * (out // lut_group(out, inp))
     return out * inp + 2 * out
 
 
@@ -71,6 +130,8 @@ def require_finite(name: str, values: np.ndarray, first_row: int = 0, what: str 
 def check_tensor_finite(t: Tensor) -> None:
     """Scan a whole tensor (for those no conversion reads): Q8_0 scales, or float values."""
     step = max(1, (1 << 24) // max(1, t.shape[-1]))
+    if not (t.is_q8_0 or t.is_float):
+        step = t.rows_per_chunk()  # gguf-py holds a chunk's output twice while it works
     if t.is_q8_0:
         _, d = t.q8_0()
         for r0 in range(0, d.shape[0], step):
@@ -83,75 +144,298 @@ def check_tensor_finite(t: Tensor) -> None:
         require_finite(t.name, rows, r0)
 
 
-def convert_matrix(t: Tensor, fmt: WeightFormat, rows: slice | None = None) -> ConvWeight:
-    """Convert a GGUF matrix (optionally a row range of it, for LM head chunks)."""
-    rows = rows or slice(0, t.shape[0])
+@dataclass(frozen=True)
+class Part:
+    """Rows of a GGUF matrix that become (part of) one conv weight. `index` lists the source
+    rows in output order (a head chunk's range, RoPE's q/k reordering); None is all rows."""
+
+    tensor: Tensor
+    index: np.ndarray | None = None
+    label: str | None = None   # the name the manifest records; the tensor's own by default
+
+    @property
+    def name(self) -> str:
+        return self.label or self.tensor.name
+
+    @property
+    def rows(self) -> int:
+        return self.tensor.shape[0] if self.index is None else len(self.index)
+
+
+def convert_parts(parts: list[Part], fmt: WeightFormat, min_cosine: float) -> ConvWeight:
+    """Convert and row-stack `parts` into one conv weight, choosing the format under `auto`
+    (see the module docstring); each part's choice is in the result's `choices`."""
+    if fmt != "auto":
+        w = stack([convert_matrix(p.tensor, fmt, index=p.index) for p in parts])
+        w.choices = [TensorChoice(p.name, fmt, c, f"{fmt} requested, cos {c:.6f}")
+                     for p, c in zip(parts, w.part_cosines)]
+        return w
+    tried: dict[str, list[float]] = {}
+    group = lut_group([p.rows for p in parts], parts[0].tensor.shape[1])
+    for stored in AUTO_LADDER:
+        w = stack([convert_matrix(p.tensor, stored, index=p.index, group=group) for p in parts])
+        if min(w.part_cosines) >= min_cosine or stored == AUTO_LADDER[-1]:
+            w.choices = [TensorChoice(p.name, stored, c, _reason(stored, i, parts, tried,
+                                                                 c, min_cosine))
+                         for i, (p, c) in enumerate(zip(parts, w.part_cosines))]
+            return w
+        tried[stored] = w.part_cosines
+        del w
+    raise AssertionError("unreachable: the ladder ends in fp16")
+
+
+def _reason(stored: StoredFormat, i: int, parts: list[Part], tried: dict[str, list[float]],
+            cos: float, floor: float) -> str:
+    if not tried:
+        return f"{stored} cos {cos:.6f} ≥ {floor}"
+    failed = []
+    for fmt, cosines in tried.items():
+        if cosines[i] < floor:
+            failed.append(f"{fmt} cos {cosines[i]:.6f} < {floor}")
+        else:  # this part was fine; a part stacked with it was not
+            worst = min(range(len(parts)), key=lambda j: cosines[j])
+            failed.append(f"{fmt} cos {cosines[i]:.6f}, but {parts[worst].name} in the same "
+                          f"stacked conv reached {cosines[worst]:.6f} < {floor}")
+    return f"{stored}: " + "; ".join(failed)
+
+
+def convert_matrix(t: Tensor, fmt: StoredFormat, rows: slice | None = None,
+                   index: np.ndarray | None = None, group: int | None = None) -> ConvWeight:
+    """Convert a GGUF matrix, or the rows of it that `rows` (a range, for LM head chunks) or
+    `index` (any rows, in output order) select. `group`: rows per LUT for lut8."""
+    if index is None:
+        rows = rows or slice(0, t.shape[0])
+        index = np.arange(rows.start, rows.stop)
+    index = np.asarray(index, dtype=np.int64)
     if fmt == "q8-block":
-        qs, d = _q8_0_rows(t, rows)
-        require_finite(t.name, d, rows.start, " (Q8_0 scales)")
+        qs, d = _q8_0_rows(t, index)
+        require_finite(t.name, d, int(index[0]) if len(index) else 0, " (Q8_0 scales)")
         out, nb = d.shape
         data = np.ascontiguousarray(qs.reshape(out, nb * 32))[:, :, None, None]
-        return ConvWeight(fmt, (out, nb * 32), data, np.ascontiguousarray(d)[:, :, None, None], 1.0)
+        return ConvWeight(fmt, (out, nb * 32), data, np.ascontiguousarray(d)[:, :, None, None],
+                          1.0)
 
-    out, inp = rows.stop - rows.start, t.shape[1]
-    data = np.empty((out, inp, 1, 1), np.int8 if fmt == "int8-channel" else np.float16)
+    out, inp = len(index), t.shape[1]
+    dtype = {"int8-channel": np.int8, "lut8": np.uint8, "fp16": np.float16}[fmt]
+    data = np.empty((out, inp, 1, 1), dtype)
     scale = np.empty((out, 1, 1, 1), np.float16) if fmt == "int8-channel" else None
+    lut = None
+    if fmt == "lut8":
+        group = group or lut_group(out, inp)
+        if out % group:
+            raise ValueError(f"lut8 group {group} does not divide {out} rows")
+        lut = np.empty((out // group, 1, 1, 1, LUT_ENTRIES, 1), np.float16)
     agreement = _CosineAccumulator()
-    # Row chunks keep the float32 working set ~64 MB even for the 200064-row LM head.
-    step = max(1, (1 << 24) // inp)
-    for r0 in range(0, out, step):
+    # Row chunks keep the float32 working set ~16 MB (and gguf-py's temporaries a few times
+    # that) even for a 200064-row LM head; lut8 chunks hold whole groups.
+    step = t.rows_per_chunk()
+    if fmt == "lut8":
+        step = max(group, step // group * group)
+    starts = range(0, out, step)
+    fast_q8 = fmt == "int8-channel" and t.is_q8_0
+    values_of = (_read_ahead(t, [index[r0:r0 + step] for r0 in starts])
+                 if not (fast_q8 or t.is_q8_0 or t.is_float) else None)
+    for r0 in starts:
         r1 = min(out, r0 + step)
-        if fmt == "int8-channel" and t.is_q8_0:
-            q, s16 = _requantize_q8_0_rows(t, rows.start + r0, rows.start + r1, agreement)
+        idx = index[r0:r1]
+        values = None if values_of is None else next(values_of)
+        if fast_q8:
+            q, s16 = _requantize_q8_0_rows(t, idx, agreement)
+        elif fmt == "lut8":
+            q, s16 = _lut_rows(t, idx, group, agreement, values)
+            lut[r0 // group:r1 // group, 0, 0, 0, :, 0] = s16
+            s16 = None
         else:
-            q, s16 = _convert_float_rows(t, rows.start + r0, rows.start + r1, fmt, agreement)
+            q, s16 = _convert_float_rows(t, idx, fmt, agreement, values)
         data[r0:r1, :, 0, 0] = q
         if scale is not None:
             scale[r0:r1, :, 0, 0] = s16
-    return ConvWeight(fmt, (out, inp), data, scale, agreement.cosine())
+    return ConvWeight(fmt, (out, inp), data, scale, agreement.cosine(), lut)
 
 
-def _requantize_q8_0_rows(t: Tensor, r0: int, r1: int, agreement: "_CosineAccumulator"
+def _read_ahead(t: Tensor, chunks: list[np.ndarray]) -> Iterator[np.ndarray]:
+    """Each chunk's float rows, the next chunk dequantized by a helper thread while the caller
+    converts this one. gguf-py's dequantization is numpy work that releases the GIL, and it is
+    what a K-quant or IQ source costs beyond a Q8_0 one: overlapped, a second core hides most of
+    it. One chunk ahead: ~16 MB more memory."""
+    with ThreadPoolExecutor(1, thread_name_prefix="dequantize") as pool:
+        pending = pool.submit(t.rows, chunks[0], np.float32) if chunks else None
+        for n in range(len(chunks)):
+            values = pending.result()
+            if n + 1 < len(chunks):
+                pending = pool.submit(t.rows, chunks[n + 1], np.float32)
+            yield values
+
+
+def stack(parts: list[ConvWeight]) -> ConvWeight:
+    """Row-stack conv weights of one format; `cosine` is the worst part's, `part_cosines` each
+    part's (recorded under its tensor name)."""
+    first = parts[0]
+    if len(parts) == 1:
+        first.part_cosines = [first.cosine]
+        return first
+    data = np.concatenate([p.data for p in parts])
+    scale = None if first.scale is None else np.concatenate([p.scale for p in parts])
+    lut = None if first.lut is None else np.concatenate([p.lut for p in parts])
+    w = ConvWeight(first.format, (data.shape[0], first.shape[1]), data, scale,
+                   min(p.cosine for p in parts), lut)
+    w.part_cosines = [p.cosine for p in parts]
+    return w
+
+
+def _requantize_q8_0_rows(t: Tensor, idx: np.ndarray, agreement: "_CosineAccumulator"
                           ) -> tuple[np.ndarray, np.ndarray]:
     """Q8_0 rows -> per-row int8, straight from the blocks: value = qs * d, so the row's max is
     the max over blocks of max|qs| * |d|, and q = rint(qs * d / s_row)."""
     qs, d = t.q8_0()
-    qs, d32 = qs[r0:r1], d[r0:r1].astype(np.float32)
-    require_finite(t.name, d32, r0, " (Q8_0 scales)")
+    qs, d32 = qs[idx], d[idx].astype(np.float32)
+    require_finite(t.name, d32, int(idx[0]), " (Q8_0 scales)")
     amax = (np.abs(qs).max(axis=2) * np.abs(d32)).max(axis=1, keepdims=True)
     with np.errstate(over="ignore"):
         s16 = np.where(amax == 0, 1.0, amax / 127.0).astype(np.float16)
-    require_finite(t.name, s16, r0, " (int8 scales beyond the fp16 range)")
+    require_finite(t.name, s16, int(idx[0]), " (int8 scales beyond the fp16 range)")
     s32 = s16.astype(np.float32)
     # Quantize against the fp16 scale actually stored, so the rounding matches what runs.
     qf = qs * (d32 / s32)[..., None]
     np.rint(qf, out=qf)
     np.clip(qf, -127, 127, out=qf)
-    q = qf.astype(np.int8).reshape(r1 - r0, -1)
-    original = (qs * d32[..., None]).reshape(r1 - r0, -1)   # exact: 8 x 11 bits < 24
+    q = qf.astype(np.int8).reshape(len(idx), -1)
+    original = (qs * d32[..., None]).reshape(len(idx), -1)   # exact: 8 x 11 bits < 24
     stored = q.astype(np.float32)
     stored *= s32
     agreement.add(original, stored)
     return q, s16
 
 
-def _convert_float_rows(t: Tensor, r0: int, r1: int, fmt: WeightFormat,
-                        agreement: "_CosineAccumulator") -> tuple[np.ndarray, np.ndarray | None]:
-    values = t.rows(np.arange(r0, r1), np.float32)
-    require_finite(t.name, values, r0)
+def _convert_float_rows(t: Tensor, idx: np.ndarray, fmt: StoredFormat,
+                        agreement: "_CosineAccumulator", values: np.ndarray | None = None
+                        ) -> tuple[np.ndarray, np.ndarray | None]:
+    values = t.rows(idx, np.float32) if values is None else values
+    require_finite(t.name, values, int(idx[0]))
     if fmt == "fp16":
         stored = values.astype(np.float16)
-        require_finite(t.name, stored, r0, " (beyond the fp16 range, 65504)")
+        require_finite(t.name, stored, int(idx[0]), " (beyond the fp16 range, 65504)")
         agreement.add(values, stored.astype(np.float32))
         return stored, None
-    amax = np.abs(values).max(axis=1, keepdims=True)
+    # max|x| per row without an |x| copy, and the rounding in place: a chunk's only full-size
+    # temporaries are the scaled values and the stored ones (the cosine needs both).
+    amax = np.maximum(values.max(axis=1), -values.min(axis=1))[:, None]
     with np.errstate(over="ignore"):
         s16 = np.where(amax == 0, 1.0, amax / 127.0).astype(np.float16)
-    require_finite(t.name, s16, r0, " (int8 scales beyond the fp16 range)")
+    require_finite(t.name, s16, int(idx[0]), " (int8 scales beyond the fp16 range)")
     s32 = s16.astype(np.float32)
-    q = np.clip(np.rint(values / s32), -127, 127).astype(np.int8)
-    agreement.add(values, q * s32)
+    scaled = values / s32
+    np.rint(scaled, out=scaled)
+    np.clip(scaled, -127, 127, out=scaled)
+    q = scaled.astype(np.int8)
+    np.multiply(scaled, s32, out=scaled)   # the stored values, exactly: |q| <= 127, fp16 scale
+    agreement.add(values, scaled)
     return q, s16
+
+
+def _lut_rows(t: Tensor, idx: np.ndarray, group: int, agreement: "_CosineAccumulator",
+              values: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Rows (whole groups of them) -> uint8 indices `[rows, in]` and fp16 tables
+    `[rows / group, 256]`."""
+    values = t.rows(idx, np.float32) if values is None else values
+    require_finite(t.name, values, int(idx[0]))
+    n, inp = values.shape
+    grouped = values.reshape(n // group, group * inp)
+    indices, lut = fit_lut(grouped)
+    require_finite(t.name, lut, int(idx[0]), " (LUT entries beyond the fp16 range, 65504)")
+    stored = np.take_along_axis(lut.astype(np.float32), indices.astype(np.intp), axis=1)
+    agreement.add(grouped, stored)
+    return indices.reshape(n, inp), lut
+
+
+_HIST_BINS = 4096
+
+
+# Entries reserved for each group's largest-magnitude values, exactly: a few outliers carry much
+# of a row's energy, and Lloyd steps cannot move entries across the empty range between the bulk
+# and them. As many as the group has values beyond LUT_OUTLIER_SIGMAS robust sigmas (a Gaussian
+# has none there), at least LUT_RESERVED_MIN (its extreme tail), at most half the table.
+LUT_RESERVED_MIN = 16
+LUT_RESERVED_MAX = LUT_ENTRIES // 2
+LUT_OUTLIER_SIGMAS = 6.0
+
+
+def _start_table(values: np.ndarray, reserved: int) -> np.ndarray:
+    """Initial entries per row, `[groups, 256]`: the `reserved` largest |values| themselves, and
+    the rest at the quantiles of the other values' (histogram density)^(1/3), where
+    high-resolution quantization theory puts the optimal entries for a smooth density."""
+    groups, n = values.shape
+    reserved = min(reserved, n)
+    mag = np.abs(values)
+    top = np.argpartition(mag, n - reserved, axis=1)[:, n - reserved:]
+    exact = np.take_along_axis(values, top, axis=1).astype(np.float64)
+    cut = np.take_along_axis(mag, top, axis=1).min(axis=1, keepdims=True)
+    rest = mag < cut
+    lo = np.where(rest, values, np.inf).min(axis=1)
+    hi = np.where(rest, values, -np.inf).max(axis=1)
+    empty = ~np.isfinite(lo)
+    lo, hi = np.where(empty, 0.0, lo), np.where(empty, 0.0, hi)
+    width = np.where(hi > lo, hi - lo, 1.0)
+    bins = ((values - lo[:, None]) / width[:, None] * _HIST_BINS).astype(np.int64)
+    np.clip(bins, 0, _HIST_BINS - 1, out=bins)
+    bins += (np.arange(groups) * (_HIST_BINS + 1))[:, None]
+    bins[~rest] = groups * (_HIST_BINS + 1)  # one spare bin that nothing reads
+    hist = np.bincount(bins.ravel(), minlength=groups * (_HIST_BINS + 1) + 1)[:-1]
+    density = np.cbrt(hist.reshape(groups, _HIST_BINS + 1)[:, :_HIST_BINS].astype(np.float64))
+    cdf = np.cumsum(density, axis=1)
+    cdf /= np.maximum(cdf[:, -1:], 1e-300)
+    free = LUT_ENTRIES - reserved
+    targets = (np.arange(free) + 0.5) / free
+    centres = np.empty((groups, LUT_ENTRIES), np.float64)
+    centres[:, free:] = exact
+    edges = np.arange(_HIST_BINS) + 0.5
+    for g in range(groups):
+        centres[g, :free] = lo[g] + np.interp(targets, cdf[g], edges) / _HIST_BINS * width[g]
+    centres.sort(axis=1)
+    return centres
+
+
+def fit_lut(values: np.ndarray, steps: int = LUT_KMEANS_STEPS) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of `values` `[groups, n]`: a 256-entry fp16 table and each value's nearest entry.
+
+    The table starts with the group's largest-magnitude values as entries of their own (outliers
+    carry much of a row's energy, so the cosine needs them exact; quantiles would leave them one
+    entry between many) and the rest where high-resolution quantization theory puts optimal
+    entries, at a density proportional to the values' density to the power 1/3; it then takes
+    `steps` 1-D k-means (Lloyd) steps, each O(n) on the sorted values: cluster boundaries are
+    the midpoints between entries, found by binary search, and each entry moves to its cluster's
+    mean (prefix sums). The final assignment uses the fp16-rounded entries, which are what runs.
+    """
+    groups, n = values.shape
+    srt = np.sort(values, axis=1)
+    # Robust sigma from the sorted values' 16th-84th percentiles, blind to the outliers.
+    sigma = (srt[:, int(0.8413 * (n - 1))] - srt[:, int(0.1587 * (n - 1))]) / 2
+    far = (np.abs(values) > LUT_OUTLIER_SIGMAS * sigma[:, None]).sum(axis=1)
+    reserved = int(np.clip(far.max(initial=0), LUT_RESERVED_MIN, LUT_RESERVED_MAX))
+    centres = _start_table(values, reserved)
+    if steps:
+        sums = np.zeros((groups, n + 1), np.float64)
+        np.cumsum(srt, axis=1, dtype=np.float64, out=sums[:, 1:])
+        pos = np.empty((groups, LUT_ENTRIES + 1), np.int64)
+        pos[:, 0], pos[:, -1] = 0, n
+        for _ in range(steps):
+            bounds = (centres[:, 1:] + centres[:, :-1]) / 2
+            for g in range(groups):
+                pos[g, 1:-1] = np.searchsorted(srt[g], bounds[g])
+            count = np.diff(pos, axis=1)
+            total = np.take_along_axis(sums, pos[:, 1:], 1) - np.take_along_axis(sums, pos[:, :-1], 1)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                centres = np.where(count > 0, total / np.maximum(count, 1), centres)
+            centres.sort(axis=1)
+    with np.errstate(over="ignore"):
+        lut = centres.astype(np.float16)
+    lut.sort(axis=1)
+    edges = lut.astype(np.float32)
+    edges = (edges[:, 1:] + edges[:, :-1]) / 2
+    indices = np.empty(values.shape, np.uint8)
+    for g in range(groups):
+        indices[g] = np.searchsorted(edges[g], values[g])
+    return indices, lut
 
 
 class _CosineAccumulator:
@@ -172,11 +456,11 @@ class _CosineAccumulator:
         return 1.0 if denom == 0 else self.ab / float(denom)
 
 
-def _q8_0_rows(t: Tensor, rows: slice) -> tuple[np.ndarray, np.ndarray]:
+def _q8_0_rows(t: Tensor, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if t.is_q8_0:
         qs, d = t.q8_0()
-        return qs[rows], d[rows]
-    # A float GGUF has no blocks to keep: make them the way llama.cpp's quantizer would.
-    raw = q8_0_quantize(t.rows(np.arange(rows.start, rows.stop), np.float32))
+        return qs[index], d[index]
+    # Other types have no Q8_0 blocks to keep: make them the way llama.cpp's quantizer would.
+    raw = q8_0_quantize(t.rows(index, np.float32))
     blocks = q8_0_blocks(raw, t.shape[1])
     return blocks["qs"], blocks["d"]
