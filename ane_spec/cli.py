@@ -461,7 +461,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --model: the reply's length limit (default %(default)s)")
     p.set_defaults(handler=cmd_demo)
 
-<<<<<<< HEAD
     p = sub.add_parser("pull", help="download a catalog model (a real GGUF, sha256-pinned) into "
                                     "the cache and print its path")
     p.add_argument("name", nargs="?", help="catalog model name, e.g. smollm2-135m-instruct")
@@ -470,13 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hash a cached file again instead of trusting its stamp")
     p.set_defaults(handler=cmd_pull)
 
-    p = sub.add_parser("inspect", help="print a GGUF file's config, tensors and tokenizer facts")
-    p.add_argument("gguf", help=model_help)
-=======
     p = sub.add_parser("inspect", help="print a GGUF file's config, tensors and tokenizer facts, "
                                        "or a build folder's per-tensor weight formats")
-    p.add_argument("gguf", help="a GGUF file, or a build folder (its manifest.json)")
->>>>>>> 223876f
+    p.add_argument("gguf", help=model_help + "; or a build folder (its manifest.json)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(handler=cmd_inspect)
 
