@@ -901,6 +901,9 @@ def test_grammar_compiles_wait_in_a_bounded_queue_that_plain_requests_skip(srv: 
         for i in range(GRAMMAR_QUEUE + 1):
             held.append(send_and_hold(srv, "/v1/completions", {
                 "prompt": "x", "max_tokens": 1, "grammar": f'root ::= "held{i}"'}))
+            if i == 0:  # the compiler takes it off the queue: then the queue can fill
+                srv.wait(lambda h: h["grammar_queue"]["compiling"] is not None, 30,
+                         "the first compile")
         queue = srv.wait(lambda h: h["grammar_queue"]["waiting"] == GRAMMAR_QUEUE
                          and h["grammar_queue"]["compiling"] is not None, 30,
                          "a full compile queue")["grammar_queue"]

@@ -109,8 +109,12 @@ async def _compiled(request: Request, engine: Engine, need: NeedsCompile) -> Gra
     result = asyncio.wrap_future(entry.future)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
-        done, _ = await asyncio.wait({result, gone}, timeout=queue.wait_seconds,
-                                     return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait({result, gone}, timeout=queue.wait_seconds,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the server stops, or the task is torn down
+            queue.give_up(entry, timed_out=False)
+            raise
         if result not in done:
             left = gone in done
             if queue.give_up(entry, timed_out=not left):
