@@ -364,7 +364,9 @@ def _serve_config(args: argparse.Namespace):
         kv_slots=args.kv_slots, slot_spill_mb=args.slot_spill_mb,
         slot_save_path=args.slot_save_path, slot_save_max_files=args.slot_save_max_files,
         slot_save_max_mb=args.slot_save_max_mb, draft_memory=args.draft_memory,
-        draft_memory_tokens=args.draft_memory_tokens)
+        draft_memory_tokens=args.draft_memory_tokens, request_timeout=args.request_timeout,
+        grammar_token_ms=args.grammar_token_ms, grammar_queue=args.grammar_queue,
+        grammar_wait=args.grammar_wait)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -415,6 +417,17 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "llama.cpp does; by default message text can never produce them")
     p.add_argument("--body-timeout", type=float,
                    help="seconds a client has to send a whole request body (default 60)")
+    p.add_argument("--request-timeout", type=float,
+                   help="seconds a generation may run; past them it ends with finish_reason "
+                        "'length' (default 600)")
+    p.add_argument("--grammar-token-ms", type=float,
+                   help="milliseconds a grammar's token mask may cost per token on average; "
+                        "past them the generation ends with an error (default 50)")
+    p.add_argument("--grammar-queue", type=int,
+                   help="new grammars that may wait to be compiled; more get 429 (default 8)")
+    p.add_argument("--grammar-wait", type=float,
+                   help="seconds a new grammar may wait to start compiling; past them 503 "
+                        "(default 30)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--kv-slots", type=int,

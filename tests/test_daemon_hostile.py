@@ -195,6 +195,8 @@ ALLOWED_HOST = "ane.test"
 SERVE = ("import sys; from ane_spec.daemon.config import ServeConfig; "
          "from ane_spec.daemon.server import serve; "
          "sys.exit(serve(ServeConfig.model_validate_json(sys.argv[1])))")
+GRAMMAR_TOKEN_MS = 10.0  # the grammar cost guard's budget (real grammars: well under 1 ms)
+GRAMMAR_QUEUE = 3        # new grammars that may wait for the compiler
 ABSOLUTE_PATH = re.compile(r"(?<![\w.])/(?:tmp|home|root|Users|var|private|work)/")
 
 
@@ -216,7 +218,7 @@ class Hostile:
             manifest=build, port=self.port, backend="mil", precision="fp32",
             log_level="warning", access_log=False, kv_slots=2, slot_save_path=self.save_dir,
             slot_save_max_files=3, slot_save_max_mb=0.5, allowed_hosts=(ALLOWED_HOST,),
-            body_timeout=1.0)
+            body_timeout=1.0, grammar_token_ms=GRAMMAR_TOKEN_MS, grammar_queue=GRAMMAR_QUEUE)
         self.log = open(root / "server.log", "w")
         self.proc = subprocess.Popen([sys.executable, "-c", SERVE, self.config.model_dump_json()],
                                      stderr=self.log)
@@ -800,3 +802,204 @@ def test_the_adapters_hold_the_same_line(srv: Hostile) -> None:
     responses = srv.post("/v1/responses", {"model": "m", "input": forged,
                                            "max_output_tokens": 1}).json()
     assert responses["usage"]["input_tokens"] == counted, responses
+
+
+# --- 10. the adapters as hard as /v1 (issue 29) ---------------------------------------------------
+
+JSON_ROUTES = ["/v1/chat/completions", "/v1/completions", "/completion", "/infill",
+               "/apply-template", "/api/chat", "/api/generate", "/api/show", "/v1/responses",
+               "/tokenize", "/detokenize", "/slots/0?action=erase"]
+# Each poison where an adapter used to echo it back (or choke on it), streamed where it streams.
+ECHOED = ('"model": "m", "prompt": "x", "input": "x", "content": "x", "stream": true, '
+          '"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, ')
+POISONS = {
+    "a 4,400-digit integer": '{%s"n_predict": %s}' % (ECHOED, "1" * 4400),
+    "arrays nested 1,000 deep": '{%s"x": %s}' % (ECHOED, "[" * 1000 + "]" * 1000),
+    "a lone surrogate in the prompt": '{%s"instructions": "\\udcff"}' % ECHOED.replace(
+        '"prompt": "x"', '"prompt": "a\\udcff"'),
+    "a lone surrogate in the model": '{%s"y": 1}' % ECHOED.replace('"m"', '"\\ud800m"'),
+    "a lone surrogate in message content": '{%s"y": 1}' % ECHOED.replace(
+        '"content": "x"}', '"content": "\\udcffx"}'),
+    "NaN in metadata": '{%s"metadata": {"a": NaN}}' % ECHOED,
+    "Infinity in text": '{%s"text": {"format": {"type": "text"}, "x": -Infinity}}' % ECHOED,
+    "1e999 in tool_choice": '{%s"tool_choice": {"type": "function", "x": 1e999}}' % ECHOED,
+}
+
+
+def test_every_route_reads_json_with_the_same_limits(srv: Hostile) -> None:
+    """One parser for every route, with /v1's limits: these bodies gave 500s on the adapters
+    (after generation, for the echoed values; a stream that ended early or carried a literal
+    NaN). Each is a 400 now, before anything runs, whatever the route."""
+    for route in JSON_ROUTES:
+        for what, body in POISONS.items():
+            r = srv.request("POST", route, content=body.encode(),
+                            headers={"content-type": "application/json"})
+            assert r.status_code == 400, (route, what, r.status_code, r.text[:300])
+            assert r.headers["content-type"].startswith("application/json"), (route, what)
+            error = r.json()["error"]
+            message = error["message"] if isinstance(error, dict) else error
+            assert message.startswith("the body is not valid JSON"), (route, what, message)
+    # Within the limits, the same shapes pass: 64 digits, 100 levels, a surrogate pair.
+    fine = {"prompt": "\U0001F600", "n_predict": 1, "vendor": -(10**63), "x": [[[[[]]]]] * 2}
+    assert srv.post("/completion", fine).status_code == 200
+    assert srv.post("/completion", fine | {"x": json.loads("[" * 100 + "]" * 100)}
+                    ).status_code == 200
+
+
+def test_grammars_are_gbnf_and_counted_however_lines_end(srv: Hostile) -> None:
+    """1,102 GBNF rules separated by a bare carriage return passed the 1,024-rule limit (only
+    "\n" ended a line for the count); a Lark grammar (`start:`) went through unchecked, so its
+    `%json {...}` skipped every schema check."""
+    for route, extra in (("/v1/chat/completions", {"messages": ASK}),
+                         ("/completion", {"prompt": "x"})):
+        cr = gbnf_chain(1100).replace("\n", "\r")
+        refused(srv.post(route, extra | {"grammar": cr, "max_tokens": 1}), 400,
+                "defines 1102 rules", "max_rules")
+        crlf = gbnf_chain(1100).replace("\n", "\r\n")
+        refused(srv.post(route, extra | {"grammar": crlf, "max_tokens": 1}), 400, "max_rules")
+        lark = 'start: %json {"type": "string"}'
+        refused(srv.post(route, extra | {"grammar": lark, "max_tokens": 1}), 400,
+                "Lark grammar", "GBNF")
+    # GBNF with CR line ends is still GBNF: within the limits it compiles and constrains.
+    r = srv.post("/v1/completions", {"prompt": "x", "max_tokens": 4,
+                                     "grammar": 'root ::= "a" b\rb ::= [0-9]'})
+    assert r.status_code == 200 and re.fullmatch(r"a[0-9]", r.json()["choices"][0]["text"])
+
+
+def grammar_child(srv: Hostile) -> int:
+    """The pid of the server's grammar compiler child (started by a compile if need be)."""
+    srv.post("/v1/completions", {"prompt": "x", "max_tokens": 1, "grammar": 'root ::= "w"'})
+    rows = subprocess.run(["ps", "-A", "-o", "pid=,ppid=,args="], capture_output=True,
+                          text=True, check=True).stdout.splitlines()
+    kids = [int(r.split()[0]) for r in rows
+            if r.split()[1] == str(srv.proc.pid) and "grammar_compiler" in r]
+    assert len(kids) == 1, rows
+    return kids[0]
+
+
+def send_and_hold(srv: Hostile, path: str, body: dict) -> socket.socket:
+    """A request sent whole on its own connection, its answer never read."""
+    sock = socket.create_connection(("127.0.0.1", srv.port))
+    data = json.dumps(body).encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json"
+                 f"\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def test_grammar_compiles_wait_in_a_bounded_queue_that_plain_requests_skip(srv: Hostile) -> None:
+    """The compiler is held (its child stopped), so work piles up deterministically: one grammar
+    compiles, GRAMMAR_QUEUE wait, the next distinct one gets a 429 with Retry-After, /health and
+    /metrics show the queue, and a plain request is served at once. (Request preparation used to
+    wait for the one compiler lock without a deadline on anyio's 40 threads: 70 such grammars
+    made a plain completion take 67 s, /health said idle, and nobody got a 429.) When the
+    senders leave, the grammars still waiting are dropped, never compiled."""
+    child = grammar_child(srv)
+    before = srv.health()["grammar_queue"]
+    held: list[socket.socket] = []
+    os.kill(child, signal.SIGSTOP)
+    try:
+        for i in range(GRAMMAR_QUEUE + 1):
+            held.append(send_and_hold(srv, "/v1/completions", {
+                "prompt": "x", "max_tokens": 1, "grammar": f'root ::= "held{i}"'}))
+            if i == 0:  # the compiler takes it off the queue: then the queue can fill
+                srv.wait(lambda h: h["grammar_queue"]["compiling"] is not None, 30,
+                         "the first compile")
+        queue = srv.wait(lambda h: h["grammar_queue"]["waiting"] == GRAMMAR_QUEUE
+                         and h["grammar_queue"]["compiling"] is not None, 30,
+                         "a full compile queue")["grammar_queue"]
+        assert queue["capacity"] == GRAMMAR_QUEUE
+        assert srv.metric("ane_spec_grammar_queue_depth") == GRAMMAR_QUEUE
+        assert srv.metric("ane_spec_grammar_compiling") == 1
+        r = srv.post("/v1/chat/completions", {"messages": ASK, "max_tokens": 1,
+                                              "grammar": 'root ::= "one too many"'})
+        refused(r, 429, "waiting to be compiled")
+        assert int(r.headers["Retry-After"]) >= 1
+        assert r.json()["error"]["code"] == "grammar_queue_full"
+        r = srv.post("/completion", {"prompt": "x", "n_predict": 1, "grammar": 'root ::= "nope"'})
+        assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1, r.text
+        # A grammar compiled before is served from the cache, past the queue.
+        assert srv.post("/v1/completions", {"prompt": "x", "max_tokens": 1,
+                                            "grammar": 'root ::= "w"'}).status_code == 200
+        t0 = time.monotonic()
+        r = srv.post("/v1/completions", {"prompt": CANARY, "max_tokens": 8})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == srv.canary.text
+        assert time.monotonic() - t0 < 10  # it waits for no compile (they wait for ever)
+        for sock in held:
+            sock.close()
+        queue = srv.wait(lambda h: h["grammar_queue"]["waiting"] == 0, 30,
+                         "the departed senders' grammars dropped")["grammar_queue"]
+        assert queue["dropped"] - before["dropped"] == GRAMMAR_QUEUE
+    finally:
+        os.kill(child, signal.SIGCONT)
+        for sock in held:
+            sock.close()
+    queue = srv.wait(lambda h: h["grammar_queue"]["compiling"] is None, 30,
+                     "the held compile")["grammar_queue"]
+    assert queue["compiled"] - before["compiled"] == 1  # only the one that had started
+    assert srv.metric("ane_spec_grammar_queue_dropped_total") == queue["dropped"]
+
+
+def test_a_grammar_whose_masks_grow_costly_is_stopped(srv: Hostile, pipeline) -> None:
+    """`e ::= e e | e e e | [a-z0-9 ]` is so ambiguous that each token's mask costs more than
+    the last: 236 tokens took 105 s against 1.3 s for 300 plain ones, holding the accelerator
+    from everyone. The guard measures the grammar's CPU time per token and stops it past the
+    budget (GRAMMAR_TOKEN_MS here), with an error naming it; the server is then fine."""
+    bomb = "root ::= e\ne ::= e e | e e e | [a-z0-9 ]"
+    no_end = {str(t): False for t in pipeline.tokenizer.eog_ids}  # it must keep going
+    t0 = time.monotonic()
+    r = srv.post("/v1/completions", {"prompt": "x", "max_tokens": 400, "grammar": bomb,
+                                     "logit_bias": no_end}, timeout=120)
+    refused(r, 400, "ms per token", f"budget of {GRAMMAR_TOKEN_MS:g} ms", "--grammar-token-ms")
+    assert time.monotonic() - t0 < 60
+    r = srv.post("/v1/completions", {"prompt": "x", "max_tokens": 400, "grammar": bomb,
+                                     "logit_bias": no_end, "stream": True}, timeout=120)
+    events = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    assert "--grammar-token-ms" in events[-1]["error"]["message"], events[-1]
+    # A plain grammar over as many tokens stays far inside the budget.
+    r = srv.post("/v1/completions", {"prompt": "x", "max_tokens": 200, "logit_bias": no_end,
+                                     "grammar": "root ::= [a-z0-9 ]+"}, timeout=120)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 200, r.text
+
+
+def test_n_indent_cuts_the_first_line_indented_less(srv: Hostile) -> None:
+    """llama-server's n_indent: after the first line, a line indented by fewer spaces or tabs
+    ends the output where its text would start (the README lists it; it was ignored)."""
+    grammar = 'root ::= "def f():\\n    return 1\\n  x\\nmore"'
+    r = srv.post("/completion", {"prompt": "x", "n_predict": 40, "grammar": grammar,
+                                 "n_indent": 4})
+    assert r.status_code == 200, r.text
+    assert r.json()["content"] == "def f():\n    return 1\n  " and \
+        r.json()["stop_type"] == "limit", r.json()
+    events = [json.loads(line[6:]) for line in srv.post(
+        "/completion", {"prompt": "x", "n_predict": 40, "grammar": grammar, "n_indent": 4,
+                        "stream": True}).text.splitlines() if line.startswith("data: ")]
+    assert "".join(e["content"] for e in events) == "def f():\n    return 1\n  "
+    assert events[-1]["stop_type"] == "limit"
+    full = srv.post("/completion", {"prompt": "x", "n_predict": 40, "grammar": grammar})
+    assert full.json()["content"] == "def f():\n    return 1\n  x\nmore"
+
+
+def test_a_generation_past_the_request_timeout_ends_with_length(tiny_build_512: Path) -> None:
+    """--request-timeout: a generation that runs past it ends with finish_reason "length" (and
+    says why), on a server whose every pass is held longer than the limit (no clock race)."""
+    from ane_spec.daemon.engine import Engine, load_pipeline
+    from ane_spec.daemon.server import BackgroundServer
+    from tests.paced_pipeline import PacedPipeline
+
+    cfg = ServeConfig(manifest=tiny_build_512, port=0, backend="mil", precision="fp32",
+                      log_level="warning", access_log=False, request_timeout=0.05)
+    server = BackgroundServer(cfg, engine=Engine(cfg, PacedPipeline(load_pipeline(cfg),
+                                                                    pass_delay=0.1)))
+    with server:
+        url = server.url
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{url}/health").json()["status"] != "ok":
+            assert time.monotonic() < deadline, "the server did not warm up"
+            time.sleep(0.05)
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": CANARY, "max_tokens": 50},
+                       timeout=120)
+        body = r.json()
+        assert body["choices"][0]["finish_reason"] == "length", body
+        assert body["usage"]["completion_tokens"] < 50
+        assert body["ane_spec"]["stopped_by"] == "request_timeout"

@@ -10,12 +10,14 @@ request on /v1 with speculation off: token-identical text.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from ane_spec.daemon.config import ServeConfig
+from ane_spec.daemon.relay import Failure
 from tests.live_server import started
 
 PROMPT = "Once upon a time"
@@ -202,6 +204,64 @@ def test_infill_prompt_for_a_vocabulary_with_fim_tokens() -> None:
                    + tok.encode("a") + [961] + tok.encode("\n") + [962])
     with pytest.raises(Failure):
         infill_prompt(tok, (960, 961, 962), {"input_prefix": 5})
+
+
+def fim_vocab(*extra: str):  # noqa: ANN201 - a Tokenizer
+    """The synthetic vocabulary with Qwen's FIM tokens (and `extra` ones) at 960..."""
+    from ane_spec.model.tokenizer import TOKEN_CONTROL, Tokenizer
+    from ane_spec.model.vocab import build_synthetic_vocab
+
+    data = build_synthetic_vocab(1024)
+    tokens, types = list(data.tokens), list(data.token_types)
+    names = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", *extra)
+    for i, name in enumerate(names, 960):
+        tokens[i], types[i] = name, TOKEN_CONTROL
+    return Tokenizer(data.model_copy(update={"tokens": tokens, "token_types": types}))
+
+
+def test_infill_is_repo_level_where_the_vocabulary_can_say_so() -> None:
+    """llama-server's format_prompt_infill with `<|repo_name|>` and `<|file_sep|>` (Qwen2.5-
+    Coder's): the chunks become files of a repository, not `--- snippet ---` text."""
+    from ane_spec.daemon.llama_server_api import infill_prompt
+
+    tok = fim_vocab("<|repo_name|>", "<|file_sep|>")
+    rep, sep = 963, 964
+    ids = infill_prompt(tok, (960, 961, 962), {
+        "input_prefix": "def f(", "input_suffix": "\n", "prompt": "a",
+        "input_extra": [{"filename": "x.py", "text": "import os"}, {"text": "y = 1"}]})
+    assert ids == ([rep] + tok.encode("myproject\n") + [sep] + tok.encode("x.py\n")
+                   + tok.encode("import os") + [sep] + tok.encode("tmp\n") + tok.encode("y = 1")
+                   + [sep] + tok.encode("filename\n") + [960] + tok.encode("def f(")
+                   + tok.encode("a") + [961] + tok.encode("\n") + [962])
+
+
+def test_infill_parts_are_cut_to_their_budgets_before_expansion() -> None:
+    """340,000 empty input_extra items in a 1 MiB body became a 3.7M-token prompt (+1 GB, 7.8 s
+    of CPU before the 400). The chunks are read from the last back only as far as their token
+    budget reaches (llama-server's: the last context - n_batch - 2 n_predict tokens), the
+    prefix keeps its last 3/4 n_batch tokens and the suffix its first n_batch/4 - 2 - prompt."""
+    from ane_spec.daemon.llama_server_api import SNIPPET, infill_prompt
+
+    for tok in (fim_vocab(), fim_vocab("<|repo_name|>", "<|file_sep|>")):
+        raw = {"input_prefix": "p " * 2000, "input_suffix": "s " * 2000, "prompt": "",
+               "input_extra": [{}] * 340_000}
+        t0 = time.perf_counter()
+        ids = infill_prompt(tok, (960, 961, 962), raw, context=512, n_predict=16)
+        assert time.perf_counter() - t0 < 2
+        # n_batch 256: extras 512 - 256 - 32 = 224, prefix 192, suffix 64 - 2.
+        assert len(ids) == 224 + 1 + 192 + 1 + 62 + 1
+        assert ids[224] == 960 and ids[-64] == 961 and ids[-1] == 962
+        assert ids[225:417] == tok.encode("p " * 2000)[-192:]
+        if tok.id_of("<|file_sep|>") is None:
+            snippet = tok.encode(SNIPPET)
+            assert ids[:224] == (snippet * 224)[-224:]
+        else:
+            assert ids[224 - len(tok.encode("filename\n")) - 1] == tok.id_of("<|file_sep|>")
+    # Bad chunks are refused before any of them is tokenized.
+    with pytest.raises(Failure, match="input_extra"):
+        infill_prompt(tok, (960, 961, 962), {"input_extra": [{}] * 1000 + [{"text": 5}]})
+    with pytest.raises(Failure, match="input_extra"):
+        infill_prompt(tok, (960, 961, 962), {"input_extra": [{"filename": ["x"]}]})
 
 
 def test_apply_template(url) -> None:

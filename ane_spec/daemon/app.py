@@ -28,19 +28,22 @@ from ane_spec.daemon.config import ServeConfig
 from ane_spec.daemon.engine import Engine
 from ane_spec.daemon.http_errors import install_error_handlers
 from ane_spec.daemon.middleware import install_middleware
+from ane_spec.daemon.prepare import PREPARE_THREADS
 
 
 def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
     # /tokenize and /detokenize (a megabyte of text, a million pieces to render) run on threads,
     # at most HEAVY_THREADS at once: Python threads share one GIL, so more of them would only
     # slow the event loop's turn at it (and with it /health) without finishing sooner. Request
-    # preparation has anyio's own limiter: it may wait on the grammar compiler, and must not
-    # hold these slots while it does.
+    # preparation has its own limiter (prepare.PREPARE_THREADS), so that a /tokenize flood does
+    # not hold generation requests; it never waits on the grammar compiler while holding one.
     heavy: dict[str, anyio.CapacityLimiter] = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         heavy["limiter"] = anyio.CapacityLimiter(service_api.HEAVY_THREADS)
+        app.state.prepare_limiter = anyio.CapacityLimiter(PREPARE_THREADS)
+        engine.grammars.queue.configure(config.grammar_queue, config.grammar_wait)
         engine.start()
         try:
             yield

@@ -89,6 +89,18 @@ class ServeConfig(BaseModel):
     # llama.cpp's behaviour: special tokens written in message text are parsed as such.
     special_in_content: bool = False
     body_timeout: float = Field(60.0, gt=0.0, le=3600.0)  # seconds for a whole request body
+    # A generation's wall-clock limit, from when it starts to run: past it, it ends with
+    # finish_reason "length" (a client's own max_tokens or timeout usually comes first).
+    request_timeout: float = Field(600.0, gt=0.0, le=86_400.0)
+    # What a grammar may cost per generated token, in milliseconds of mask computation on
+    # average (after a few tokens' grace): past it, the generation ends with a 400-class error
+    # naming the grammar. Real grammars cost well under 1 ms; one ambiguous enough to cost
+    # hundreds is refused instead of holding the accelerator for minutes.
+    grammar_token_ms: float = Field(50.0, gt=0.0, le=60_000.0)
+    # Grammar compiles: new grammars that may wait for the (serial) compiler, and how long one
+    # may wait to start before its request gets a 503 (a full queue: 429), both with Retry-After.
+    grammar_queue: int = Field(8, ge=1, le=1000)
+    grammar_wait: float = Field(30.0, gt=0.0, le=3600.0)
     # KV slots (daemon/slots.py). None: chosen from the build's state size and the machine's
     # memory (runtime/state_budget.py), reported at start and in /health.
     kv_slots: int | None = Field(None, ge=1, le=64)

@@ -198,7 +198,8 @@ def extension(engine: Engine, job: Job, result) -> dict[str, Any]:  # noqa: ANN0
             "fill_drafts": engine.fill_drafts,
             "guard_margin": engine.session.guard_margin if engine.session else None,
             "queue_seconds": round(job.queue_seconds, 4), "time_to_first_token_seconds": ttft,
-            "stop_word": result.stop_word, "stats": result.stats.to_dict()}
+            "stop_word": result.stop_word, "stats": result.stats.to_dict()} | (
+                {"stopped_by": "request_timeout"} if result.time_limited else {})
 
 
 def sse(obj: Any) -> str:

@@ -55,7 +55,9 @@ def serve_arguments(config: ServeConfig, python: str | None = None) -> list[str]
              "slot_save_path": "--slot-save-path", "draft_memory": "--draft-memory",
              "draft_memory_tokens": "--draft-memory-tokens", "body_timeout": "--body-timeout",
              "slot_save_max_files": "--slot-save-max-files",
-             "slot_save_max_mb": "--slot-save-max-mb"}
+             "slot_save_max_mb": "--slot-save-max-mb",
+             "request_timeout": "--request-timeout", "grammar_token_ms": "--grammar-token-ms",
+             "grammar_queue": "--grammar-queue", "grammar_wait": "--grammar-wait"}
     for field, flag in flags.items():
         value = getattr(config, field)
         if field == "slot_save_path" and value is not None:  # launchd runs from $HOME

@@ -15,8 +15,10 @@
   `content` and `stop: false`, then a final chunk with `stop: true` and the totals.
 
 /infill: a vocabulary without FIM tokens (Phi-4-mini's) gets llama-server's 501, word for
-word; one with them gets llama-server's prefix-suffix-middle prompt (no repo-level file
-separators) completed like /completion.
+word; one with them gets llama-server's prompt (format_prompt_infill, see `infill_prompt`),
+repo-level (`<|repo_name|>`, `<|file_sep|>`) where the vocabulary has those tokens, completed
+like /completion. `n_indent` (here and on /completion): after the first line, a line indented
+by fewer spaces or tabs ends the output there, with stop_type "limit", as llama-server does.
 
 Departures: `n_predict: 0` still generates one token (llama-server only evaluates the prompt);
 `n_probs` is refused (ask /v1/completions for `logprobs`); `id_slot` in the answer is -1 unless
@@ -34,9 +36,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ane_spec.daemon.engine import Engine
+from ane_spec.daemon.prepare import Unavailable, off_loop
 from ane_spec.daemon.protocol import ChatCompletionRequest, CompletionRequest, dumps
 from ane_spec.daemon.relay import Failure, Generate, answer, chunks, json_body, validated
-from ane_spec.model.tokenizer import Tokenizer
+from ane_spec.model.tokenizer import FIM_KIND_TEXTS, Tokenizer
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # llama-server's error types by status (utils.hpp, format_error_response).
@@ -61,11 +64,12 @@ class NativeCompletion(BaseModel):
     id_slot: int = Field(-1, ge=-1)
 
 
-def error(status: int, message: str) -> JSONResponse:
+def error(status: int, message: str, retry_after: int | None = None) -> JSONResponse:
     """llama-server's error shape: {"error": {"code", "message", "type"}}."""
     kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return JSONResponse({"error": {"code": status, "message": message, "type": kind}},
-                        status_code=status)
+                        status_code=status,
+                        headers={"Retry-After": str(retry_after)} if retry_after else None)
 
 
 def timings(stats: dict[str, Any], n_ctx: int) -> dict[str, Any]:
@@ -103,12 +107,30 @@ def fim_tokens(tok: Tokenizer) -> tuple[int, int, int] | None:
 # "\n\n--- snippet ---\n\n": llama-server's separator before each input_extra chunk when the
 # vocabulary has no FIM file-separator token.
 SNIPPET = "\n\n--- snippet ---\n\n"
+N_BATCH = 2048  # llama-server's default --batch-size, which sizes its FIM prompt parts
 
 
-def infill_prompt(tok: Tokenizer, fim: tuple[int, int, int], raw: Any) -> list[int]:
-    """llama-server's prefix-suffix-middle prompt (format_prompt_infill): the input_extra
-    chunks, [BOS], <PRE> prefix + prompt, <SUF> suffix, <MID>; text tokenized without special
-    tokens."""
+def fim_token(tok: Tokenizer, kind: str) -> int | None:
+    """The vocabulary's FIM token of `kind` ("rep", "sep", ...): the GGUF's own id, else found
+    by its text as llama.cpp does."""
+    if kind in tok.data.fim_token_ids:
+        return tok.data.fim_token_ids[kind]
+    found = [i for i in map(tok.id_of, FIM_KIND_TEXTS[kind]) if i is not None]
+    return min(found) if found else None
+
+
+def infill_prompt(tok: Tokenizer, fim: tuple[int, int, int], raw: Any,
+                  context: int | None = None, n_predict: int = -1) -> list[int]:
+    """llama-server's infill prompt (format_prompt_infill, server-common.cpp): [the input_extra
+    chunks] [BOS] <PRE> prefix prompt <SUF> suffix <MID>. With the vocabulary's repo and file
+    separator tokens the chunks are repo-level: `<|repo_name|>myproject\n`, then
+    `<|file_sep|>{filename}\n{text}` per chunk and `<|file_sep|>filename\n`; without them each
+    chunk follows SNIPPET. Prefix, suffix and chunks are cut to llama-server's budgets: the
+    prefix's last 3/4 n_batch tokens, the suffix's first n_batch/4 - 2 - prompt, and the last
+    context - n_batch - 2 n_predict tokens of the chunks, with n_batch = min(2048, context / 2)
+    and n_predict the request's (or an eighth of the context). The chunks are read from the
+    last one back only until that budget is full, so their number costs nothing past it (340,000
+    empty ones made a 3.7M-token prompt)."""
     if not isinstance(raw, dict):
         raise Failure(400, "the request body must be a JSON object")
     parts = {k: raw.get(k, "") for k in ("input_prefix", "input_suffix", "prompt")}
@@ -116,16 +138,42 @@ def infill_prompt(tok: Tokenizer, fim: tuple[int, int, int], raw: Any) -> list[i
     if not all(isinstance(v, str) for v in parts.values()):
         raise Failure(400, "input_prefix, input_suffix and prompt must be strings")
     if not isinstance(extra, list) or not all(
-            isinstance(c, dict) and isinstance(c.get("text", ""), str) for c in extra):
-        raise Failure(400, "input_extra must be a list of {\"text\", \"filename\"} objects")
-    ids: list[int] = []
-    for chunk in extra:
-        ids += tok.encode(SNIPPET) + tok.encode(chunk.get("text", ""))
+            isinstance(c, dict) and isinstance(c.get("text", ""), str)
+            and isinstance(c.get("filename", ""), str) for c in extra):
+        raise Failure(400, "input_extra must be a list of {\"text\", \"filename\"} objects "
+                           "with string values")
+    context = context or 2 * N_BATCH + 1
+    n_batch = min(N_BATCH, context // 2)
+    reserve = n_predict if n_predict > 0 else context // 8
+    extra_budget = max(0, context - n_batch - 2 * reserve)
+    rep, sep = fim_token(tok, "rep"), fim_token(tok, "sep")
+    # llama-server's extra tokens are [repo header] chunks... [file trailer]; it keeps their
+    # last extra_budget. Built from the end, only as far back as that budget reaches.
+    pieces: list[list[int]] = []
+    if sep is not None:
+        pieces.append([sep] + tok.encode("filename\n"))
+    have = sum(map(len, pieces))
+    snippet = tok.encode(SNIPPET)
+    for chunk in reversed(extra):
+        if have >= extra_budget:
+            break
+        head = ([sep] + tok.encode(chunk.get("filename", "tmp") + "\n") if sep is not None
+                else snippet)
+        pieces.append(head + tok.encode(chunk.get("text", "")))
+        have += len(pieces[-1])
+    else:
+        if rep is not None:
+            pieces.append([rep] + tok.encode("myproject\n"))
+    ids = [t for piece in reversed(pieces) for t in piece]
+    ids = ids[len(ids) - min(extra_budget, len(ids)):]
+    pre, suf, mid = fim
+    prompt = tok.encode(parts["prompt"], special=True)  # llama-server parses specials here
+    prefix = tok.encode(parts["input_prefix"])
+    prefix = prefix[len(prefix) - min(len(prefix), 3 * (n_batch // 4)):]
+    suffix = tok.encode(parts["input_suffix"])[:max(0, n_batch // 4 - (2 + len(prompt)))]
     if tok.data.add_bos_token and tok.bos_token_id is not None:
         ids.append(tok.bos_token_id)
-    pre, suf, mid = fim
-    return (ids + [pre] + tok.encode(parts["input_prefix"]) + tok.encode(parts["prompt"])
-            + [suf] + tok.encode(parts["input_suffix"]) + [mid])
+    return ids + [pre] + prefix + prompt + [suf] + suffix + [mid]
 
 
 def router(engine: Engine, generate: Generate) -> APIRouter:
@@ -166,21 +214,27 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
             return error(exc.status, exc.message)
         return await complete(request, raw)
 
+    def build(raw: Any) -> tuple[NativeCompletion, CompletionRequest, str | list[int]]:
+        """The request, checked and its prompt tokenized: on a preparation thread, since a
+        megabyte of token ids or text takes a while to validate."""
+        native = validated(NativeCompletion, raw)
+        if isinstance(native.prompt, list) and all(isinstance(p, str) for p in native.prompt):
+            if len(native.prompt) != 1:
+                raise Failure(400, "prompt: one prompt per request (a list of strings is a "
+                                   "batch of prompts)")
+            native.prompt = native.prompt[0]
+        prompt: str | list[int] = native.prompt  # type: ignore[assignment]
+        if isinstance(prompt, list):
+            prompt = tokenize_mixed(prompt)
+        fields = {k: v for k, v in raw.items() if k not in ("id_slot", "cache_prompt")}
+        body = validated(CompletionRequest, fields | {
+            "prompt": prompt, "n_predict": native.n_predict, "stream": native.stream,
+            "stream_options": {"include_usage": True} if native.stream else None})
+        return native, body, prompt
+
     async def complete(request: Request, raw: Any) -> Response:
         try:
-            native = validated(NativeCompletion, raw)
-            if isinstance(native.prompt, list) and all(isinstance(p, str) for p in native.prompt):
-                if len(native.prompt) != 1:
-                    raise Failure(400, "prompt: one prompt per request (a list of strings is a "
-                                       "batch of prompts)")
-                native.prompt = native.prompt[0]
-            prompt: str | list[int] = native.prompt  # type: ignore[assignment]
-            if isinstance(prompt, list):
-                prompt = await anyio.to_thread.run_sync(tokenize_mixed, prompt)
-            fields = {k: v for k, v in raw.items() if k not in ("id_slot", "cache_prompt")}
-            body = validated(CompletionRequest, fields | {
-                "prompt": prompt, "n_predict": native.n_predict, "stream": native.stream,
-                "stream_options": {"include_usage": True} if native.stream else None})
+            native, body, prompt = await off_loop(request, build, raw)
             if not native.stream:
                 data = await answer(generate, request, body, "completions")
                 shown = await shown_prompt(prompt)
@@ -190,7 +244,9 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
             events = await chunks(generate, request, body, "completions")
             shown = await shown_prompt(prompt)  # the ids are valid: the handler took them
         except Failure as exc:
-            return error(exc.status, exc.message)
+            return error(exc.status, exc.message, exc.retry_after)
+        except Unavailable as exc:
+            return error(exc.status, exc.message, exc.retry_after)
 
         async def sse() -> Any:
             reason, ext = None, None
@@ -235,9 +291,9 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
 
         try:
             body = validated(ChatCompletionRequest, await json_body(request))
-            prompt = await anyio.to_thread.run_sync(render, body)
-        except Failure as exc:
-            return error(exc.status, exc.message)
+            prompt = await off_loop(request, render, body)
+        except (Failure, Unavailable) as exc:
+            return error(exc.status, exc.message, exc.retry_after)
         except (AneSpecError, GrammarError, ValueError) as exc:  # what the renderer refuses
             return error(400, str(exc))
         return JSONResponse({"prompt": prompt})
@@ -250,9 +306,13 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
                               "suffix token is missing. middle token is missing. ")
         try:
             raw = await json_body(request)
-            ids = await anyio.to_thread.run_sync(infill_prompt, engine.tokenizer, fim, raw)
+            n_predict = raw.get("n_predict", -1) if isinstance(raw, dict) else -1
+            ids = await off_loop(request, infill_prompt, engine.tokenizer, fim, raw,
+                                 engine.context, n_predict if type(n_predict) is int else -1)
         except Failure as exc:
             return error(exc.status, exc.message)
+        except Unavailable as exc:
+            return error(exc.status, exc.message, exc.retry_after)
         return await complete(request, {k: v for k, v in raw.items() if k not in (
             "input_prefix", "input_suffix", "input_extra")} | {"prompt": ids})
 

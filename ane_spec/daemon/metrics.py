@@ -213,3 +213,30 @@ class Metrics:
         out.append(f"{name}_sum {_num(ttft_sum)}")
         out.append(f"{name}_count {ttft_count}")
         return "\n".join(out) + "\n"
+
+
+def grammar_queue_metrics(queue: dict) -> str:
+    """The grammar compile queue (`CompileQueue.snapshot()`), in the exposition format."""
+    rows = [
+        ("ane_spec_grammar_queue_depth", "gauge", "New grammars waiting to be compiled.",
+         queue["waiting"]),
+        ("ane_spec_grammar_queue_capacity", "gauge",
+         "New grammars admitted to wait before 429 (--grammar-queue).", queue["capacity"]),
+        ("ane_spec_grammar_compiling", "gauge", "1 while a new grammar compiles.",
+         int(queue["compiling"] is not None)),
+        ("ane_spec_grammar_queue_oldest_wait_seconds", "gauge",
+         "How long the oldest waiting grammar has waited.", queue["oldest_wait_seconds"]),
+        ("ane_spec_grammar_compiles_total", "counter", "New grammars compiled by the queue.",
+         queue["compiled"]),
+        ("ane_spec_grammar_queue_refused_total", "counter",
+         "Requests refused with 429: the compile queue was full.", queue["refused_full"]),
+        ("ane_spec_grammar_queue_timeouts_total", "counter",
+         "Requests that gave up with 503: their grammar did not start in time.",
+         queue["timed_out"]),
+        ("ane_spec_grammar_queue_dropped_total", "counter",
+         "Queued grammars dropped unstarted: every requester had left or given up.",
+         queue["dropped"])]
+    out = []
+    for name, kind, help_, value in rows:
+        out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {_num(value)}"]
+    return "\n".join(out) + "\n"

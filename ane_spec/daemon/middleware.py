@@ -16,6 +16,10 @@ from ane_spec.daemon.config import ServeConfig, host_name
 from ane_spec.daemon.engine import Engine
 from ane_spec.daemon.http_errors import endpoint_of, error_response
 from ane_spec.daemon.path_aliases import PathAliases
+from ane_spec.daemon.relay import PARSED, json_error, parse_json
+
+# Bodies past this size are parsed on a worker thread (the event loop keeps answering /health).
+PARSE_ON_THREAD_BYTES = 64 << 10
 
 # Answered without the API key: liveness probes, and llama-server's public /props.
 OPEN_PATHS = frozenset({"/health", "/props"})
@@ -82,8 +86,8 @@ class HostCheck:
 
 
 class BodyGuard:
-    """Every request body: JSON (by Content-Type, and present) on routes that change state, at
-    most `limit` bytes (413, by Content-Length before reading anything and by counting
+    """Every request body: JSON (by Content-Type, present, and within `relay.parse_json`'s
+    limits: the one parser every route reads) on routes that change state, at most `limit` bytes (413, by Content-Length before reading anything and by counting
     otherwise), and all of it within `seconds` of the headers (408: a client trickling one byte
     at a time cannot hold a connection). The accepted body is replayed to the app.
 
@@ -139,6 +143,15 @@ class BodyGuard:
             return await self._refuse(scope, receive, send, 400, f"{scope['method']} "
                                       f"{scope['path']} takes a JSON body ({{}} for none)",
                                       "missing_body")
+        if changes_state:  # every route's one JSON parser, with its limits (relay.parse_json)
+            try:
+                if len(body) > PARSE_ON_THREAD_BYTES:
+                    scope[PARSED] = await anyio.to_thread.run_sync(parse_json, body)
+                else:
+                    scope[PARSED] = parse_json(body)
+            except (ValueError, UnicodeDecodeError) as exc:
+                return await self._refuse(scope, receive, send, 400, json_error(exc),
+                                          "invalid_json")
         replayed = False
 
         async def replay() -> Message:

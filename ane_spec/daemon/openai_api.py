@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import anyio
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -16,8 +15,8 @@ from ane_spec.daemon.config import ServeConfig
 from ane_spec.daemon.draft_scopes import scope_of
 from ane_spec.daemon.engine import Engine, NotReady, QueueFull
 from ane_spec.daemon.finish import SSE_HEADERS, collect, stream
-from ane_spec.daemon.http_errors import BadRequest, error_response
-from ane_spec.daemon.prepare import prepare
+from ane_spec.daemon.http_errors import BadRequest, error_response, error_type
+from ane_spec.daemon.prepare import Unavailable, prepare_request
 from ane_spec.daemon.protocol import ChatCompletionRequest, CompletionRequest, Envelope
 from ane_spec.daemon.relay import Generate
 
@@ -32,11 +31,16 @@ def make_generate(config: ServeConfig, engine: Engine) -> Generate:
                 raise engine.not_ready()
             scope = scope_of(config.draft_memory_mode, request.headers.get("authorization"),
                              body.user)
-            plan = await anyio.to_thread.run_sync(prepare, engine, body, kind, scope)
+            plan = await prepare_request(request, engine, body, kind, scope)
             job = engine.submit(plan.item, asyncio.get_running_loop())
         except BadRequest as exc:
             metrics.request(kind, "rejected_invalid")
             return error_response(400, exc.message, param=exc.param, code=exc.code)
+        except Unavailable as exc:
+            metrics.request(kind, "cancelled" if exc.status == 499 else "rejected_queue_full")
+            headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
+            return error_response(exc.status, exc.message, "rate_limit_error" if exc.status == 429
+                                  else error_type(exc.status), code=exc.code, headers=headers)
         except NotReady as exc:
             metrics.request(kind, "rejected_warming")
             headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None

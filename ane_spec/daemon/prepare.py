@@ -1,13 +1,27 @@
 """Request preparation: a /v1 chat or completion request checked and turned into the engine's
-work item (prompt tokens, sampling, grammar, speculation options). It runs in a worker thread,
-since tokenization and grammar compilation may take a while; every refusal is a `BadRequest`.
+work item (prompt tokens, sampling, grammar, speculation options); every refusal is a
+`BadRequest`.
+
+`prepare_request` runs it off the event loop: `prepare` on a worker thread, at most
+PREPARE_THREADS at once (tokenizing a megabyte holds the GIL; more threads would only slow the
+event loop's turn at it), with at most PREPARE_WAITING requests waiting for one (more: 429). A
+grammar that is not compiled yet is not compiled on that thread: the thread returns
+(`NeedsCompile`), the request waits for the grammar compile queue without holding any thread
+(`CompileQueue`: bounded, with a deadline, a 429 or 503 with Retry-After past them), and
+`prepare` runs again with the grammar in hand. So a plain request never waits behind grammar
+compiles, and a request whose client leaves while it waits is dropped, its grammar with it
+when nobody else waits for it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import asyncio
+from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
+
+import anyio
+from starlette.requests import Request
 
 from ane_spec.daemon.engine import Engine, WorkItem
 from ane_spec.daemon.http_errors import BadRequest
@@ -18,6 +32,7 @@ from ane_spec.daemon.tool_formats import (
     PHI4, TemplateInput, ToolFormat, tool_format_of, tool_tag_ids,
 )
 from ane_spec.decode.grammar import Grammar, GrammarError
+from ane_spec.decode.grammar_compiler import CompileBusy, NeedsCompile
 from ane_spec.decode.grammar_limits import check_schema
 from ane_spec.decode.sampling import SamplingParams
 from ane_spec.decode.session import GenerateOptions, NeedsLogits, needs_logits
@@ -44,8 +59,88 @@ class Constraint:
     schema: dict[str, Any] | None = None
 
 
+PREPARE_THREADS = 4     # requests prepared at once (tokenizing, templates, grammar lookups)
+PREPARE_WAITING = 64    # requests waiting for one of those threads before the next gets a 429
+
+
+class Unavailable(Exception):
+    """Not now: a 429 or 503 with Retry-After (the prepare or compile queue is full or too
+    slow), or 499 (the client left while its request was prepared)."""
+
+    def __init__(self, status: int, message: str, code: str, retry_after: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.retry_after = status, message, code, retry_after
+
+
+def prepare_limiter(request: Request) -> anyio.CapacityLimiter | None:
+    """The app's limiter for request preparation (made at startup; None outside an app)."""
+    return getattr(request.app.state, "prepare_limiter", None)
+
+
+async def off_loop(request: Request, fn: Any, *args: Any) -> Any:
+    """`fn(*args)` on a request-preparation thread (see the module docstring); Unavailable(429)
+    when PREPARE_WAITING requests wait for one already."""
+    limiter = prepare_limiter(request)
+    if limiter is not None and limiter.statistics().tasks_waiting >= PREPARE_WAITING:
+        raise Unavailable(429, f"{PREPARE_WAITING} requests are waiting to be prepared; retry "
+                               "later", "queue_full", 1)
+    return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
+
+
+async def prepare_request(request: Request, engine: Engine,
+                          body: ChatCompletionRequest | CompletionRequest, kind: str,
+                          scope: str | None = None) -> Plan:
+    """`prepare`, off the event loop, with new grammars compiled through the compile queue
+    (see the module docstring). Raises BadRequest or Unavailable."""
+    ready: dict[str, Grammar | GrammarError] = {}
+    while True:
+        try:
+            return await off_loop(request, prepare, engine, body, kind, scope, ready)
+        except NeedsCompile as need:
+            ready[need.key] = await _compiled(request, engine, need)
+
+
+async def _compiled(request: Request, engine: Engine, need: NeedsCompile) -> Grammar | GrammarError:
+    queue = engine.grammars.queue
+    try:
+        entry = queue.submit(need)
+    except CompileBusy as exc:
+        raise Unavailable(exc.status, exc.message, "grammar_queue_full", exc.retry_after) from None
+    result = asyncio.wrap_future(entry.future)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        try:
+            done, _ = await asyncio.wait({result, gone}, timeout=queue.wait_seconds,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the server stops, or the task is torn down
+            queue.give_up(entry, timed_out=False)
+            raise
+        if result not in done:
+            left = gone in done
+            if queue.give_up(entry, timed_out=not left):
+                if left:
+                    raise Unavailable(499, "the client closed the request", "cancelled")
+                exc = queue.busy_error(entry)
+                raise Unavailable(exc.status, exc.message, "grammar_queue_timeout",
+                                  exc.retry_after)
+            # It runs already: its own deadline (compile_seconds) bounds the rest.
+            await asyncio.wait({result})
+        return result.result()
+    finally:
+        gone.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (http.disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest, kind: str,
-            scope: str | None = None) -> Plan:
+            scope: str | None = None,
+            ready: MutableMapping[str, Grammar | GrammarError] | None = None) -> Plan:
+    """The request's plan. With `ready`, grammars not compiled yet raise NeedsCompile instead
+    of being compiled here (`ready` then holds what the queue compiled for this request)."""
     tok, config, ctx = engine.tokenizer, engine.config, engine.context
     vocab = engine.pipeline.config.vocab_size
     uses_tools = kind == "chat" and body.uses_tools
@@ -56,6 +151,9 @@ def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest, kin
                          "<|tool_call|>, Llama 3's JSON calls, Qwen's <tool_call> tags)", "tools")
     # A template without a known format still renders earlier calls somehow: as Phi-4-mini's.
     fmt = fmt or PHI4
+    # The grammar first: one not compiled yet sends the request to the compile queue before
+    # any tokenizing, which would otherwise be done twice.
+    constraint = _constraint(engine, body, kind, fmt if uses_tools else None, ready)
     if kind == "chat":
         where = "messages"
         try:
@@ -87,7 +185,6 @@ def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest, kin
     max_tokens = min(body.requested_max_tokens() or ctx, room)
 
     sampling = _sampling(engine, body)
-    constraint = _constraint(engine, body, kind, fmt if uses_tools else None)
     if constraint is not None and sampling.ignore_eos:
         raise BadRequest("ignore_eos: cannot be combined with a grammar, a response_format or "
                          "tools (the grammar decides where the output ends)", "ignore_eos")
@@ -107,7 +204,8 @@ def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest, kin
         speculative=config.speculative if ext.speculative is None else ext.speculative,
         guard=config.guard if ext.guard is None else ext.guard,
         grammar=None if constraint is None else constraint.grammar,
-        logprobs=body.top_n, special_text=uses_tools)
+        logprobs=body.top_n, special_text=uses_tools, time_limit=config.request_timeout,
+        grammar_token_seconds=config.grammar_token_ms / 1000, n_indent=body.n_indent or 0)
     refusal = needs_logits(options) if engine.pipeline.head_argmax else None
     if refusal is not None:
         if refusal.param == "grammar":  # the parameter that asked for it
@@ -161,7 +259,9 @@ def _sampling(engine: Engine, body: ChatCompletionRequest | CompletionRequest) -
 
 
 def _constraint(engine: Engine, body: ChatCompletionRequest | CompletionRequest, kind: str,
-                tool_format: ToolFormat | None) -> Constraint | None:
+                tool_format: ToolFormat | None,
+                ready: MutableMapping[str, Grammar | GrammarError] | None = None
+                ) -> Constraint | None:
     uses_tools = tool_format is not None
     fmt = body.response_format if kind == "chat" else None
     schema: dict[str, Any] | None = None
@@ -179,18 +279,24 @@ def _constraint(engine: Engine, body: ChatCompletionRequest | CompletionRequest,
     else:
         return None
     compiler = engine.grammars
+
+    def compile(kind: Any, source: Any, what: str) -> Grammar:  # noqa: A001
+        if ready is None:
+            return compiler.compile(kind, source, what)
+        return compiler.lookup(kind, source, what, ready)
+
     try:
         if uses_tools:
             for i, t in enumerate(body.tools):
                 if t.function.parameters is not None:
                     check_schema(t.function.parameters,
                                  f"tools[{i}].function.parameters", compiler.limits)
-            grammar = compiler.compile("lark", tool_format.grammar(
+            grammar = compile("lark", tool_format.grammar(
                 body.tools, body.tool_choice, body.parallel_tool_calls), what)
         elif schema is not None:
-            grammar = compiler.compile("json_schema", schema, what)
+            grammar = compile("json_schema", schema, what)
         else:
-            grammar = compiler.compile("gbnf", body.grammar, what)
+            grammar = compile("gbnf", body.grammar, what)
         return Constraint(grammar, param, schema)
     except GrammarError as exc:
         raise BadRequest(str(exc), param) from None

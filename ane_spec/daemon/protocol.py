@@ -101,6 +101,7 @@ class _Generation(BaseModel):
     user: str | None = None
     json_schema: dict[str, Any] | None = None  # llama-server's shorthand for response_format
     grammar: str | None = None  # llama-server: a GBNF grammar
+    n_indent: int | None = Field(None, ge=0)  # llama-server: a line indented less ends the output
     ane_spec: SpeculationOptions | None = None
 
     @field_validator("max_tokens", "max_completion_tokens", check_fields=False)

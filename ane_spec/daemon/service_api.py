@@ -18,7 +18,7 @@ from ane_spec import __version__
 from ane_spec.daemon.config import ServeConfig
 from ane_spec.daemon.engine import Engine, NotReady, QueueFull, SlotAction
 from ane_spec.daemon.http_errors import error_response
-from ane_spec.daemon.metrics import CONTENT_TYPE
+from ane_spec.daemon.metrics import CONTENT_TYPE, grammar_queue_metrics
 from ane_spec.daemon.prepare import token_text
 from ane_spec.daemon.protocol import RANDOM_SEED, DetokenizeRequest, TokenizeRequest
 from ane_spec.model.chat import PHI4_MINI_CHAT_TEMPLATE
@@ -48,13 +48,17 @@ def router(config: ServeConfig, engine: Engine,
         """llama-server's convention: 503 {"status": "loading"} until the model can answer
         (probes that only check the code must not see it ready early), 200 {"status": "ok"}."""
         body = engine.health()
+        if body["status"] == "ready":
+            body["grammar_queue"] = engine.grammars.queue.snapshot()
         status = {"ready": "ok", "warming": "loading"}.get(body["status"], body["status"])
         return JSONResponse(body | {"status": status},
                             status_code=200 if status == "ok" else 503)
 
     @api.get("/metrics")
     async def prometheus() -> Response:
-        return PlainTextResponse(metrics.render(engine.gauges), media_type=CONTENT_TYPE)
+        text = metrics.render(engine.gauges) + grammar_queue_metrics(
+            engine.grammars.queue.snapshot())
+        return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
     @api.get("/props")
     async def props() -> dict[str, Any]:

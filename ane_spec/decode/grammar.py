@@ -19,6 +19,7 @@ masked row and is rejected like any other.
 
 from __future__ import annotations
 
+import time
 from functools import lru_cache
 from typing import Any
 
@@ -134,10 +135,15 @@ class GrammarState:
         self._bits = np.zeros((self.vocab + 31) // 32, dtype=np.int32)
         self._mask: np.ndarray | None = None
         self._fresh = False
+        # This thread's CPU time in the matcher (masks, advances, forced tokens): what the
+        # session's grammar cost guard reads.
+        self.cpu_seconds = 0.0
 
     def _compute(self) -> None:
         if not self._fresh:
+            t0 = time.thread_time()
             self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+            self.cpu_seconds += time.thread_time() - t0
             self._mask = None
             self._fresh = True
 
@@ -191,14 +197,20 @@ class GrammarState:
         return keys
 
     def advance(self, token: int) -> None:
-        if not self._matcher.consume_token(int(token)):
+        t0 = time.thread_time()
+        accepted = self._matcher.consume_token(int(token))
+        self.cpu_seconds += time.thread_time() - t0
+        if not accepted:
             raise GrammarError(f"token {token} is not allowed here: "
                                f"{_first_line(self._matcher.get_error())}")
         self._fresh = False
 
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces next (empty when it leaves a choice)."""
-        return list(self._matcher.compute_ff_tokens())
+        t0 = time.thread_time()
+        forced = list(self._matcher.compute_ff_tokens())
+        self.cpu_seconds += time.thread_time() - t0
+        return forced
 
     @property
     def accepting(self) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import select
 import signal
@@ -30,8 +31,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, MutableMapping
+from concurrent.futures import Future
 from typing import Any, Literal, TypeVar
 
 from ane_spec.decode.grammar import (
@@ -53,6 +55,12 @@ STARTUP_SECONDS = 120.0  # importing and building the tokenizer: ~2 s at 200k to
 _FRAME = struct.Struct(">I")
 _T = TypeVar("_T")
 _stack_size_lock = threading.Lock()
+# A client's `grammar` is GBNF. llguidance's converter passes a Lark grammar (one with a
+# `start:` rule) through as it is, and Lark's `%json {...}` embeds a schema that none of
+# grammar_limits' schema checks would see: such a grammar is refused.
+LARK_REFUSED = ("grammar: this is a Lark grammar (llguidance's syntax, with a `start:` rule); "
+                "the grammar parameter takes GBNF, llama.cpp's grammar format (`root ::= ...`); "
+                "for JSON give json_schema or response_format")
 
 
 def on_big_stack(fn: Callable[[], _T], stack_bytes: int) -> _T:
@@ -83,7 +91,10 @@ def grammar_spec(kind: GrammarKind, source: Any) -> str:
     if kind == "json_schema":
         return json_schema_grammar(source)
     if kind == "gbnf":
-        return gbnf_grammar(source)
+        spec = gbnf_grammar(source)
+        if spec == source:  # llguidance passes what it takes for Lark through unconverted
+            raise GrammarError(LARK_REFUSED)
+        return spec
     return lark_grammar(source)
 
 
@@ -107,18 +118,15 @@ class GrammarCompiler:
         self._cache_lock = threading.Lock()
         self._child_lock = threading.Lock()
         self._child: subprocess.Popen | None = None
+        self._queue: CompileQueue | None = None
         self.stats = {"compiled": 0, "cached": 0, "refused": 0, "child_crashes": 0,
                       "child_timeouts": 0, "child_starts": 0}
 
     def compile(self, kind: GrammarKind, source: Any, what: str) -> Grammar:
         """A compiled grammar, or GrammarError (a 400: the message names the problem)."""
         check_limits(kind, source, what, self.limits)  # first: a deep value cannot be dumped
-        key = json.dumps([kind, what, source], sort_keys=True, separators=(",", ":"))
-        with self._cache_lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                self.stats["cached"] += 1
+        key = cache_key(kind, source, what)
+        hit = self._cached(key)
         if hit is None:
             hit = self._compile_new(kind, source, what)
             with self._cache_lock:
@@ -128,6 +136,36 @@ class GrammarCompiler:
         if isinstance(hit, GrammarError):
             raise GrammarError(str(hit))
         return hit
+
+    def lookup(self, kind: GrammarKind, source: Any, what: str,
+               ready: MutableMapping[str, Grammar | GrammarError]) -> Grammar:
+        """The grammar without compiling anything: from `ready` (what the queue compiled for
+        this request) or the cache; a refusal as GrammarError; NeedsCompile when it must be
+        compiled first (through `queue`, which never holds a thread while it waits)."""
+        check_limits(kind, source, what, self.limits)
+        key = cache_key(kind, source, what)
+        hit = ready.get(key) or self._cached(key)
+        if hit is None:
+            raise NeedsCompile(key, kind, source, what)
+        if isinstance(hit, GrammarError):
+            raise GrammarError(str(hit))
+        return hit
+
+    def _cached(self, key: str) -> Grammar | GrammarError | None:
+        with self._cache_lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                self.stats["cached"] += 1
+        return hit
+
+    @property
+    def queue(self) -> "CompileQueue":
+        """The compile queue over this compiler (made on first use; see CompileQueue)."""
+        with self._cache_lock:
+            if self._queue is None:
+                self._queue = CompileQueue(self)
+            return self._queue
 
     def _compile_new(self, kind: GrammarKind, source: Any, what: str) -> Grammar | GrammarError:
         try:
@@ -148,6 +186,8 @@ class GrammarCompiler:
             self._ensure_child()
 
     def close(self) -> None:
+        if self._queue is not None:
+            self._queue.close()
         with self._child_lock:
             self._stop_child()
 
@@ -205,6 +245,161 @@ class GrammarCompiler:
         if "error" in reply:
             raise GrammarError(reply["error"])
         return reply["spec"]
+
+
+def cache_key(kind: GrammarKind, source: Any, what: str) -> str:
+    return json.dumps([kind, what, source], sort_keys=True, separators=(",", ":"))
+
+
+class NeedsCompile(Exception):
+    """`GrammarCompiler.lookup` found no compiled grammar: compile it through the queue."""
+
+    def __init__(self, key: str, kind: GrammarKind, source: Any, what: str):
+        super().__init__(what)
+        self.key, self.kind, self.source, self.what = key, kind, source, what
+
+
+class CompileBusy(Exception):
+    """The compile queue cannot take (429) or did not start (503) a compile in time; the
+    client should come back after `retry_after` seconds."""
+
+    def __init__(self, status: int, message: str, retry_after: int):
+        super().__init__(message)
+        self.status, self.message, self.retry_after = status, message, retry_after
+
+
+class _Entry:
+    """One grammar to compile, and how many requests wait for it."""
+
+    def __init__(self, need: NeedsCompile):
+        self.need = need
+        self.future: Future = Future()
+        self.waiters = 1
+        self.queued = time.monotonic()
+        self.started: float | None = None
+
+
+class CompileQueue:
+    """Compiles new grammars one at a time (the compiler's child is serial) on its own thread,
+    in arrival order, for requests that wait without holding a thread. At most `max_waiting`
+    distinct grammars wait (more: CompileBusy 429); a request whose grammar has not started
+    within `wait_seconds` gives up (503); a request for a grammar already queued shares it;
+    a grammar every requester has given up on (gone, or out of time) is dropped unstarted. A
+    running compile is bounded by the compiler's own deadline (compile_seconds), and its
+    result is cached for whoever asks next."""
+
+    def __init__(self, compiler: GrammarCompiler, max_waiting: int = 8,
+                 wait_seconds: float = 30.0):
+        self.compiler = compiler
+        self.max_waiting, self.wait_seconds = max_waiting, wait_seconds
+        self._cond = threading.Condition()
+        self._waiting: OrderedDict[str, _Entry] = OrderedDict()
+        self._running: _Entry | None = None
+        self._seconds: deque[float] = deque(maxlen=16)  # recent compile times
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.stats = {"queued": 0, "shared": 0, "compiled": 0, "refused_full": 0,
+                      "timed_out": 0, "dropped": 0}
+
+    def configure(self, max_waiting: int, wait_seconds: float) -> None:
+        self.max_waiting, self.wait_seconds = max_waiting, wait_seconds
+
+    def submit(self, need: NeedsCompile) -> _Entry:
+        """The entry this request waits on (shared with any request for the same grammar);
+        CompileBusy(429) when max_waiting grammars wait already."""
+        with self._cond:
+            running = self._running
+            entry = self._waiting.get(need.key) or (
+                running if running is not None and running.need.key == need.key else None)
+            if entry is not None:
+                entry.waiters += 1
+                self.stats["shared"] += 1
+                return entry
+            if len(self._waiting) >= self.max_waiting:
+                self.stats["refused_full"] += 1
+                raise CompileBusy(429, f"{len(self._waiting)} new grammars are waiting to be "
+                                  "compiled already (the limit); retry later, or reuse a "
+                                  "grammar (compiled ones are cached)", self._retry_after())
+            entry = _Entry(need)
+            self._waiting[need.key] = entry
+            self.stats["queued"] += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._main, name="ane-spec-grammars",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+            return entry
+
+    def give_up(self, entry: _Entry, timed_out: bool) -> bool:
+        """A requester stops waiting (it left, or its wait ran out). True when the grammar had
+        not started, so the requester need not wait any more; the grammar itself is dropped
+        once nobody waits for it."""
+        with self._cond:
+            entry.waiters -= 1
+            if timed_out:
+                self.stats["timed_out"] += 1
+            if entry.started is not None:
+                return False
+            if entry.waiters <= 0 and self._waiting.pop(entry.need.key, None) is not None:
+                self.stats["dropped"] += 1
+                entry.future.cancel()
+            return True
+
+    def busy_error(self, entry: _Entry) -> CompileBusy:
+        return CompileBusy(503, f"the grammar did not start compiling within {self.wait_seconds:g}"
+                           " s (other grammars are compiling); retry later", self._retry_after())
+
+    def _retry_after(self) -> int:
+        mean = (sum(self._seconds) / len(self._seconds)) if self._seconds else 1.0
+        return max(1, min(600, math.ceil(mean * (len(self._waiting) + 1))))
+
+    def snapshot(self) -> dict[str, Any]:
+        """For /health and /metrics."""
+        with self._cond:
+            running = self._running
+            return {"waiting": len(self._waiting), "capacity": self.max_waiting,
+                    "wait_seconds": self.wait_seconds,
+                    "compiling": None if running is None else {
+                        "what": running.need.what, "waiters": running.waiters,
+                        "seconds": round(time.monotonic() - (running.started or 0.0), 3)},
+                    "oldest_wait_seconds": round(time.monotonic() - next(
+                        iter(self._waiting.values())).queued, 3) if self._waiting else 0.0,
+                    **self.stats}
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            for entry in self._waiting.values():
+                entry.future.cancel()
+            self._waiting.clear()
+            self._cond.notify_all()
+
+    def _main(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                _, entry = self._waiting.popitem(last=False)
+                entry.started = time.monotonic()
+                self._running = entry
+            t0 = time.monotonic()
+            try:
+                need = entry.need
+                result: Grammar | GrammarError = self.compiler.compile(
+                    need.kind, need.source, need.what)
+            except GrammarError as exc:
+                result = exc
+            except Exception as exc:  # noqa: BLE001 - one grammar must not stop the queue
+                log.exception("compiling %s failed", entry.need.what)
+                result = GrammarError(f"{entry.need.what} cannot be compiled "
+                                      f"({type(exc).__name__})")
+            with self._cond:
+                self._running = None
+                self._seconds.append(time.monotonic() - t0)
+                self.stats["compiled"] += 1
+            entry.future.set_result(result)
 
 
 def _died(code: int | None) -> str:

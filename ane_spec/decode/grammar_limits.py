@@ -36,8 +36,10 @@ class GrammarLimitError(GrammarError):
     """A grammar or schema over one of `GrammarLimits`; the message names the limit."""
 
 
-# A rule definition at the start of a line: `name ::= ...` (GBNF) or `name: ...` (Lark).
-_RULE = re.compile(r"^[ \t]*[A-Za-z_?!][\w.-]*[ \t]*(?:::=|:)", re.MULTILINE)
+# A rule definition at the start of a line: `name ::= ...` (GBNF) or `name: ...` (Lark). A line
+# ends at "\n" or a bare "\r", as it does for llguidance's GBNF parser (a `^` with re.MULTILINE
+# sees only "\n": 1,502 rules separated by "\r" passed a limit of 1,024).
+_RULE = re.compile(r"(?:\A|(?<=[\r\n]))[ \t]*[A-Za-z_?!][\w.-]*[ \t]*(?:::=|:)")
 
 
 def json_depth(value: Any) -> int:

@@ -60,6 +60,22 @@ class GenerateOptions(BaseModel):
     grammar: Grammar | None = None  # output constrained to it (masked per verified row)
     logprobs: int | None = Field(None, ge=0, le=20)  # top-n alternatives per generated token
     special_text: bool = False  # render CONTROL tokens (<|tool_call|>) in the text
+    # Wall-clock seconds the generation may run (prefill included); past them it ends with
+    # finish_reason "length" and `GenerationResult.time_limited`.
+    time_limit: float | None = Field(None, gt=0)
+    # With a grammar: CPU seconds its masks may cost per generated token, on average over the
+    # last GRAMMAR_WINDOW tokens; past them, GrammarTooCostly (see `_Run.check_grammar_cost`).
+    grammar_token_seconds: float | None = Field(None, gt=0)
+    # llama-server's n_indent: after the first line, a line indented by fewer spaces/tabs ends
+    # the output (cut where its text starts), with finish_reason "length".
+    n_indent: int = Field(0, ge=0)
+
+
+GRAMMAR_WINDOW = 8  # tokens the grammar cost guard averages over
+
+
+class GrammarTooCostly(AneSpecError):
+    """A grammar whose masks cost more per token than GenerateOptions.grammar_token_seconds."""
 
 
 class NeedsLogits(AneSpecError):
@@ -100,6 +116,7 @@ class GenerationResult:
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     grammar_complete: bool | None = None  # with a grammar: did the output complete it
     stop_word: str | None = None  # the stop string that ended the output, if one did
+    time_limited: bool = False  # GenerateOptions.time_limit ended it
 
     def to_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "tokens": self.tokens, "text": self.text,
@@ -145,6 +162,8 @@ class DecodeSession:
                    RequestStats(prompt_tokens=len(prompt), decode_shape=self.pipeline.decode_shape))
         run.should_stop = should_stop or run.should_stop
         t0 = time.perf_counter()
+        if options.time_limit is not None:
+            run.deadline = time.monotonic() + options.time_limit
         last = self._prefill(prompt, run.stats, run.should_stop)
         run.stats.prefill_seconds = time.perf_counter() - t0
         self.drafter.reset(prompt)
@@ -216,6 +235,10 @@ class DecodeSession:
         if run.should_stop():
             run.finish = "cancelled"
             return False
+        if run.deadline is not None and time.monotonic() >= run.deadline:
+            run.finish, run.time_limited = "length", True
+            return False
+        run.check_grammar_cost()
         t0 = time.perf_counter()
         room = min(MAX_DRAFT, self.pipeline.max_seq - p - 1, run.remaining())
         drafts = run.drafts(room) if run.options.speculative and room > 0 else []
@@ -274,6 +297,32 @@ class _Run:
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] | None = (
             None if options.logprobs is None else [])
         self.should_stop: Callable[[], bool] = lambda: False
+        self.deadline: float | None = None
+        self.time_limited = False
+        self.indent = _IndentLimit(options.n_indent)
+        self.grammar_costs: list[tuple[int, float]] = []  # (tokens, grammar CPU s) per pass
+
+    def check_grammar_cost(self) -> None:
+        """Raise GrammarTooCostly when the grammar's masks cost more than the budget per token,
+        on average over the last GRAMMAR_WINDOW tokens (thread CPU time: a loaded machine does
+        not trip it). An ambiguous grammar's cost grows with every token (`e ::= e e | e e e |
+        [a-z]`: 0.01 ms at first, 450 ms by token 275); a real one stays far below 1 ms."""
+        budget, grammar = self.options.grammar_token_seconds, self.chooser.grammar
+        if budget is None or grammar is None:
+            return
+        n, cost = len(self.tokens), grammar.cpu_seconds
+        self.grammar_costs.append((n, cost))
+        then = next(((k, c) for k, c in reversed(self.grammar_costs) if k <= n - GRAMMAR_WINDOW),
+                    None)
+        if then is None:
+            return
+        per_token = (cost - then[1]) / (n - then[0])
+        if per_token > budget:
+            raise GrammarTooCostly(
+                f"the grammar's token masks cost {1000 * per_token:.1f} ms per token over the "
+                f"last {n - then[0]} tokens (by token {n}), more than this server's budget of "
+                f"{1000 * budget:g} ms (--grammar-token-ms): the grammar is too ambiguous "
+                "(its cost grows with every token); simplify it")
 
     def remaining(self) -> int:
         return self.options.max_tokens - len(self.tokens)
@@ -323,7 +372,7 @@ class _Run:
             return False
         self.tokens.append(token)
         self.session.drafter.append([token])
-        piece = self.stops.push(self.detok.push(token))
+        piece = self.indent.push(self.stops.push(self.detok.push(token)))
         if piece:
             self.text.append(piece)
             if self.on_text is not None and self.on_text(piece) is False:
@@ -332,14 +381,17 @@ class _Run:
         if self.stops.stopped:
             self.finish = "stop"
             return False
+        if self.indent.stopped:  # llama-server: STOP_TYPE_LIMIT
+            self.finish = "length"
+            return False
         if self.remaining() <= 0:
             self.finish = "length"
             return False
         return True
 
     def result(self) -> GenerationResult:
-        if not self.stops.stopped and self.finish != "cancelled":
-            tail = self.stops.push(self.detok.flush()) + self.stops.flush()
+        if not self.stops.stopped and not self.indent.stopped and self.finish != "cancelled":
+            tail = self.indent.push(self.stops.push(self.detok.flush()) + self.stops.flush())
             if tail:
                 self.text.append(tail)
                 if self.on_text is not None:
@@ -349,4 +401,30 @@ class _Run:
         return GenerationResult(
             self.stats.prompt_tokens, self.tokens, "".join(self.text), self.finish or "length",
             self.stats, None if self.logprobs is None else self.logprobs[:len(self.tokens)],
-            None if grammar is None else grammar.accepting, self.stops.word)
+            None if grammar is None else grammar.accepting, self.stops.word, self.time_limited)
+
+
+class _IndentLimit:
+    """llama-server's n_indent (server-context.cpp): once a line has ended, a line that starts
+    with fewer than `n` spaces or tabs ends the output where its indentation ends (an empty line
+    too). Checked on the text as it is shown, so nothing past the cut is ever streamed."""
+
+    def __init__(self, n: int):
+        self.n, self.stopped = n, False
+        self.at_line_start, self.indent = False, 0
+
+    def push(self, text: str) -> str:
+        if self.n <= 0 or self.stopped:
+            return "" if self.stopped else text
+        for i, ch in enumerate(text):
+            if self.at_line_start:
+                if ch in " \t":
+                    self.indent += 1
+                    continue
+                if self.indent < self.n:
+                    self.stopped = True
+                    return text[:i]
+                self.at_line_start = False
+            if ch == "\n":
+                self.at_line_start, self.indent = True, 0
+        return text
