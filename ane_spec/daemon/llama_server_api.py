@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ane_spec.daemon.engine import Engine
+from ane_spec.daemon.fim import fim_prompt, fim_tokens
 from ane_spec.daemon.protocol import ChatCompletionRequest, CompletionRequest, dumps
 from ane_spec.daemon.relay import Failure, Generate, answer, chunks, json_body, validated
 from ane_spec.model.tokenizer import Tokenizer
@@ -42,11 +43,6 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # llama-server's error types by status (utils.hpp, format_error_response).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 501: "not_supported_error", 503: "unavailable_error"}
-# llama.cpp's FIM token texts (llama-vocab.cpp): prefix, suffix, middle.
-FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
-              ("<fim-prefix>", "<fim-suffix>", "<fim-middle>"),
-              ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
-              ("<PRE>", "<SUF>", "<MID>"))
 
 
 class NativeCompletion(BaseModel):
@@ -90,16 +86,6 @@ def stop_type(finish_reason: str | None, stop_word: str | None) -> str:
     return "word" if stop_word is not None else "eos"
 
 
-def fim_tokens(tok: Tokenizer) -> tuple[int, int, int] | None:
-    """The vocabulary's (prefix, suffix, middle) FIM tokens, found by text as llama.cpp does
-    when the GGUF does not name them."""
-    for names in FIM_TOKENS:
-        ids = tuple(tok.id_of(n) for n in names)
-        if None not in ids:
-            return ids  # type: ignore[return-value]
-    return None
-
-
 # "\n\n--- snippet ---\n\n": llama-server's separator before each input_extra chunk when the
 # vocabulary has no FIM file-separator token.
 SNIPPET = "\n\n--- snippet ---\n\n"
@@ -121,11 +107,8 @@ def infill_prompt(tok: Tokenizer, fim: tuple[int, int, int], raw: Any) -> list[i
     ids: list[int] = []
     for chunk in extra:
         ids += tok.encode(SNIPPET) + tok.encode(chunk.get("text", ""))
-    if tok.data.add_bos_token and tok.bos_token_id is not None:
-        ids.append(tok.bos_token_id)
-    pre, suf, mid = fim
-    return (ids + [pre] + tok.encode(parts["input_prefix"]) + tok.encode(parts["prompt"])
-            + [suf] + tok.encode(parts["input_suffix"]) + [mid])
+    return fim_prompt(tok, fim, tok.encode(parts["input_prefix"]) + tok.encode(parts["prompt"]),
+                      tok.encode(parts["input_suffix"]), before=ids)
 
 
 def router(engine: Engine, generate: Generate) -> APIRouter:
