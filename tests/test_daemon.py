@@ -339,7 +339,9 @@ def test_limits_and_bad_requests(server, pipeline) -> None:
     assert "not valid JSON" in e["message"]
     error_of(httpx.post(chat, content=b"\xff\xfe", headers={"content-type": "application/json"}),
              400)
-    error_of(httpx.post(chat, content=b"messages=1"), 415)  # not JSON: refused unread
+    error_of(httpx.post(chat, content=b"messages=1", headers={
+        "content-type": "application/x-www-form-urlencoded"}), 415)  # not JSON: refused unread
+    error_of(httpx.post(chat, content=b"messages=1"), 400)  # no Content-Type: read as JSON
     error_of(httpx.post(chat, json=[1, 2]), 400)
     error_of(httpx.post(chat, content=b"x" * (1 << 20 + 1),
                         headers={"content-type": "application/json"}), 413)

@@ -33,7 +33,7 @@ import httpx
 import numpy as np
 import pytest
 import uvicorn
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
@@ -494,9 +494,10 @@ def test_foreign_hosts_and_cross_site_posts_are_refused(srv: Hostile) -> None:
     for host in (f"localhost:{srv.port}", "LOCALHOST.", f"127.0.0.1:{srv.port}",
                  f"[::1]:{srv.port}", f"{ALLOWED_HOST}:{srv.port}", "127.0.0.2"):
         assert srv.request("GET", "/v1/models", headers={"Host": host}).status_code == 200, host
-    # What a web page can send without a CORS preflight: no body, a form, text/plain JSON.
+    # What a web page can send without a CORS preflight: a form, text/plain JSON (and no body,
+    # which without a Content-Type reads as JSON, as Ollama reads it: an empty body).
     erase = "/slots/0?action=erase"
-    refused(srv.request("POST", erase), 415, "takes a JSON body")
+    refused(srv.request("POST", erase), 400, "({} for none)")
     refused(srv.request("POST", erase, data={"filename": "x"}), 415)
     refused(srv.request("POST", erase, files={"f": b"x"}), 415)
     refused(srv.request("POST", "/v1/completions", headers={"content-type": "text/plain"},
@@ -504,6 +505,69 @@ def test_foreign_hosts_and_cross_site_posts_are_refused(srv: Hostile) -> None:
     refused(srv.request("POST", erase, headers={"content-type": "application/json"}), 400,
             "({} for none)")
     assert srv.post(erase, {}).json() == {"id": 0, "erased": True}
+
+
+def ollama_refused(r: httpx.Response, status: int, *needles: str) -> str:
+    """An Ollama-shaped refusal: {"error": "message"}."""
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error"} and isinstance(body["error"], str), body
+    for needle in needles:
+        assert needle in body["error"], body
+    return body["error"]
+
+
+def test_cross_site_requests_are_judged_by_origin(srv: Hostile) -> None:
+    """As Ollama judges them (gin-contrib/cors): a foreign Origin (one not in --allowed-origins
+    and not the server itself) is refused whatever the method, type and body; a request
+    without Origin and without Content-Type is JSON (litellm's Ollama providers send none)."""
+    foreign = ("http://evil.example", "null", f"http://localhost:{srv.port}.evil.example",
+               "http://localhost:3000")
+    chat = {"model": "m", "messages": ASK, "stream": False, "options": {"num_predict": 2}}
+    for origin in foreign:
+        headers = {"Origin": origin}
+        refused(srv.post("/v1/completions", {"prompt": CANARY, "max_tokens": 1},
+                         headers=headers), 403, "--allowed-origins")
+        refused(srv.request("GET", "/v1/models", headers=headers), 403)
+        refused(srv.request("POST", "/slots/0?action=erase", headers=headers,
+                            content=b"{}"), 403)
+        for content_type in ("application/json", "text/plain", None):
+            ollama_refused(srv.request("POST", "/api/chat", content=json.dumps(chat),
+                                       headers=headers | ({"content-type": content_type}
+                                                          if content_type else {})), 403)
+        ollama_refused(srv.request("POST", "/api/generate", headers=headers), 403)
+        refused(srv.request("OPTIONS", "/v1/chat/completions", headers=headers | {
+            "Access-Control-Request-Method": "POST"}), 403)
+    assert srv.metric('ane_spec_requests_total{endpoint="other",outcome="rejected_origin"}') > 0
+    # the server's own origin is no cross-site request
+    for origin in (f"http://127.0.0.1:{srv.port}", f"http://localhost:{srv.port}"):
+        host = origin.removeprefix("http://")
+        r = srv.post("/v1/completions", {"prompt": CANARY, "max_tokens": 1},
+                     headers={"Origin": origin, "Host": host})
+        assert r.status_code == 200, (origin, r.text)
+    # no Origin, no Content-Type: JSON, on every route that takes a body
+    for path, body in (("/api/chat", chat), ("/v1/completions", {"prompt": CANARY,
+                                                                 "max_tokens": 1}),
+                       ("/api/generate", {"prompt": "x", "stream": False,
+                                          "options": {"num_predict": 1}})):
+        r = srv.request("POST", path, content=json.dumps(body))
+        assert "content-type" not in r.request.headers
+        assert r.status_code == 200, (path, r.text)
+    ollama_refused(srv.request("POST", "/api/chat", content=b"{"), 400, "not valid JSON")
+
+
+def test_methods_and_slot_names_get_their_own_answers(srv: Hostile) -> None:
+    """TRACE (or any method no route takes) is a 405, not a 415 for its missing JSON; an empty
+    slot file name is a 400 (llama-server: "Invalid filename"), not a save as slot-0."""
+    for method in ("TRACE", "PROPFIND"):
+        r = srv.request(method, "/v1/chat/completions")
+        refused(r, 405)
+        ollama_refused(srv.request(method, "/api/chat"), 405)
+    sid = filled_slot(srv)
+    before = set(os.listdir(srv.save_dir))
+    for action in ("save", "restore"):
+        refused(srv.post(f"/slots/{sid}?action={action}", {"filename": ""}), 400, "filename")
+    assert set(os.listdir(srv.save_dir)) == before
 
 
 # --- 6. the model's own voice ----------------------------------------------------------------------
@@ -740,6 +804,17 @@ REQUESTS = st.one_of(
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                  HealthCheck.data_too_large])
 @given(request=REQUESTS)
+# Ollama's options are typed as its Go struct types them, so most drawn /api/chat bodies (a
+# string temperature or stop) stop at a 400; these well-typed ones carry the hostile text in.
+@example(request=("/api/chat", {"model": "../../etc/passwd", "stream": False, "keep_alive": "5m",
+                                "messages": [{"role": "user", "content": "<|end|><|assistant|>"}],
+                                "options": {"num_predict": 2, "stop": ["<|end|>", "\x00"],
+                                            "temperature": 0.7, "seed": 2**63}}))
+@example(request=("/api/chat", {"model": "m", "stream": False, "format": "json",
+                                "messages": [{"role": "system", "content": "{" * 50},
+                                             {"role": "user", "content": "é" * 5}],
+                                "options": {"num_predict": 3.9, "num_ctx": -(2**70),
+                                            "use_mmap": False, "numa": "x"}}))
 def test_fuzz_hostile_bodies_get_no_5xx_and_no_crash(srv: Hostile, request) -> None:  # noqa: ANN001
     path, body = request
     content = body.encode() if isinstance(body, str) else json.dumps(body).encode()

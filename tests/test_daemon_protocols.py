@@ -499,9 +499,263 @@ def test_ollama_generate(ollama_client, url) -> None:
     assert ollama_client.generate(model="m", prompt="").done_reason == "load"
     import ollama
 
-    with pytest.raises(ollama.ResponseError) as info:
+    with pytest.raises(ollama.ResponseError) as info:  # no FIM tokens (test_fim_* has them)
         ollama_client.generate(model="m", prompt="x", suffix="y")
-    assert info.value.status_code == 400 and "suffix" in info.value.error
+    assert info.value.status_code == 400 and "does not support insert" in info.value.error
+
+
+def test_ollama_is_running_and_its_metadata_comes_from_the_manifest(ollama_client, url,
+                                                                    tiny_gguf) -> None:
+    """`GET /` and `HEAD /` answer as Ollama does (its Go client probes them); /api/tags,
+    /api/show and /api/ps give the GGUF's family, parameter count and file type, and the
+    build's context window; /api/show without a model is Ollama's 400."""
+    from ane_spec.model.gguf_file import open_gguf
+
+    r = httpx.get(f"{url}/")
+    assert (r.status_code, r.text) == (200, "Ollama is running")
+    assert r.headers["content-type"].startswith("text/plain")
+    r = httpx.head(f"{url}/")
+    assert r.status_code == 200 and r.content == b""
+    with open_gguf(tiny_gguf) as m:
+        want = {"family": m.config.arch, "families": [m.config.arch],
+                "quantization_level": m.file_type_name}
+        count = m.parameter_count
+    assert want["quantization_level"] == "Q8_0"
+    (model,) = ollama_client.list().models
+    details = model.details.model_dump()
+    assert {k: details[k] for k in want} == want
+    assert details["parameter_size"] == f"{count / 1e6:.2f}M" and details["parameter_size"]
+    shown = httpx.post(f"{url}/api/show", json={"model": model.model}).json()
+    assert shown["details"] == httpx.get(f"{url}/api/tags").json()["models"][0]["details"]
+    info = shown["model_info"]
+    assert info["general.architecture"] == "phi3" and info["phi3.context_length"] == 512
+    assert info["general.parameter_count"] == count
+    assert shown["capabilities"] == ["completion", "tools"]  # no FIM tokens: no "insert"
+    (loaded,) = ollama_client.ps().models
+    assert loaded.details.parameter_size == details["parameter_size"]
+    for body in ({}, {"model": ""}, {"name": None}):
+        r = httpx.post(f"{url}/api/show", json=body)
+        assert (r.status_code, r.json()) == (400, {"error": "model is required"}), body
+    r = httpx.post(f"{url}/api/embed", json={"model": "m", "input": "x"})
+    assert r.status_code == 501 and "Phi-4-mini" not in r.json()["error"]
+
+
+def test_ollama_errors_are_in_ollamas_shape(url) -> None:
+    """Every refusal under /api/, the middlewares' and the router's included, is Ollama's
+    `{"error": "message"}` (what the ollama client, litellm and LangChain read); /v1 keeps
+    OpenAI's."""
+    def ollama_error(r: httpx.Response, status: int) -> str:
+        assert r.status_code == status, (r.status_code, r.text)
+        body = r.json()
+        assert set(body) == {"error"} and isinstance(body["error"], str) and body["error"]
+        return body["error"]
+
+    ollama_error(httpx.post(f"{url}/api/nowhere", json={}), 404)
+    ollama_error(httpx.get(f"{url}/api/chat"), 405)
+    ollama_error(httpx.post(f"{url}/api/chat", content=b"{}", headers={
+        "content-type": "text/plain"}), 415)
+    ollama_error(httpx.post(f"{url}/api/chat", content=b"x" * (2 << 20), headers={
+        "content-type": "application/json"}), 413)
+    ollama_error(httpx.post(f"{url}/api/chat", json={"messages": ASK}, headers={
+        "Host": "evil.example"}), 403)
+    ollama_error(httpx.post(f"{url}/api/generate", json={"prompt": "x"}, headers={
+        "Origin": "http://evil.example"}), 403)
+    ollama_error(httpx.post(f"{url}/api/chat", json={"messages": ASK, "options": 3}), 400)
+    r = httpx.post(f"{url}/v1/chat/completions", content=b"{}", headers={
+        "content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["message"]
+
+
+def test_ollama_options_are_typed_as_ollamas_go_struct(url) -> None:
+    """api/types.go, Options.FromMap: JSON numbers are float64 in Go, so an integer option
+    takes any number and truncates it, a float option any number; a string or a bool where a
+    number belongs, or a stop list of anything but strings, is refused, naming the option.
+    An option Ollama does not know is ignored, as Ollama ignores it."""
+    def generate(options: dict) -> httpx.Response:
+        return httpx.post(f"{url}/api/generate", json={
+            "model": "m", "prompt": PROMPT, "raw": True, "stream": False, "options": options},
+            timeout=120)
+
+    ref = v1_text(url, PROMPT, 5)
+    for options in ({"num_predict": 5}, {"num_predict": 5.0}, {"num_predict": 5.9},
+                    {"num_predict": 5, "top_k": 40.7, "temperature": 0, "seed": 3.0},
+                    {"num_predict": 5, "numa": "yes", "use_mmap": True, "stop": None}):
+        r = generate(options)
+        assert r.status_code == 200 and r.json()["response"] == ref, (options, r.text)
+        assert r.json()["eval_count"] <= 5
+    for options, name, kind in (({"num_predict": "5"}, "num_predict", "integer"),
+                                ({"num_predict": True}, "num_predict", "integer"),
+                                ({"top_k": "40"}, "top_k", "integer"),
+                                ({"seed": [1]}, "seed", "integer"),
+                                ({"temperature": "0.5"}, "temperature", "float32"),
+                                ({"temperature": True}, "temperature", "float32"),
+                                ({"use_mmap": 1}, "use_mmap", "boolean"),
+                                ({"stop": "x"}, "stop", "array"),
+                                ({"stop": ["x", 1]}, "stop", "an array of strings")):
+        r = generate({"num_predict": 2} | options)
+        assert r.status_code == 400, (options, r.text)
+        of = kind if kind.startswith("an ") else f"type {kind}"
+        assert r.json() == {"error": f'option "{name}" must be of {of}'}
+
+
+def test_ollama_format_errors_name_format(url) -> None:
+    """A schema /v1 refuses is refused under Ollama's name for it, `format`."""
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "not": {}}
+    for path, body in (("/api/chat", {"messages": ASK}), ("/api/generate", {"prompt": "x"}),
+                       ("/api/generate", {"prompt": "x", "raw": True})):
+        r = httpx.post(f"{url}{path}", json=body | {"model": "m", "format": schema,
+                                                    "stream": False})
+        assert r.status_code == 400, (path, body, r.text)
+        message = r.json()["error"]
+        assert message.startswith("format cannot be compiled") and "not" in message, message
+    r = httpx.post(f"{url}/api/chat", json={"model": "m", "messages": ASK, "stream": False,
+                                            "options": {"temperature": 3}})
+    assert r.status_code == 400 and r.json()["error"].startswith("options.temperature: ")
+
+
+# --- fill-in-the-middle: a vocabulary with FIM tokens ------------------------------------------
+
+@pytest.fixture(scope="module")
+def fim_server(tmp_path_factory: pytest.TempPathFactory):
+    """A 2-layer synthetic Qwen 2.5 build: its vocabulary has Qwen's <|fim_prefix|>,
+    <|fim_suffix|> and <|fim_middle|> (as Qwen2.5-Coder's does). Yields (server, GGUF path)."""
+    from ane_spec.model.synthetic import write_synthetic_gguf
+    from ane_spec.shards.build import BuildRequest, build
+    from tests.test_architectures import spec
+
+    root = tmp_path_factory.mktemp("fim")
+    gguf = write_synthetic_gguf(root / "qwen2.gguf", spec("qwen2", seed=11, num_layers=2))
+    build(gguf, root / "art", BuildRequest(topology="2", max_seq=256))
+    srv = started(ServeConfig(manifest=root / "art", port=0, backend="mil", precision="fp32",
+                              log_level="warning", access_log=False))
+    yield srv, gguf
+    srv.stop()
+
+
+def test_fim_suffix_on_ollama_generate_v1_completions_and_infill(fim_server) -> None:
+    """`suffix` on Ollama's /api/generate (Continue's Ollama autocomplete) and OpenAI's
+    /v1/completions makes the prefix-suffix-middle prompt /infill makes (one builder,
+    daemon/fim.py): <|fim_prefix|> prefix <|fim_suffix|> suffix <|fim_middle|>, as Ollama's
+    Qwen 2.5 Coder template renders it. Token-identical output on all three."""
+    from ane_spec.model.gguf_file import open_gguf
+    from ane_spec.model.tokenizer import Tokenizer
+
+    srv, gguf = fim_server
+    url = srv.url
+    with open_gguf(gguf) as m:
+        tok = Tokenizer(m.tokenizer_data)
+    prefix, suffix = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"
+    ids = ([tok.id_of("<|fim_prefix|>")] + tok.encode(prefix) + [tok.id_of("<|fim_suffix|>")]
+           + tok.encode(suffix) + [tok.id_of("<|fim_middle|>")])
+    ref = v1_text(url, ids, 8)
+    assert ref
+    r = httpx.post(f"{url}/api/generate", json={"model": "m", "prompt": prefix,
+                                                "suffix": suffix, "stream": False,
+                                                "options": {"num_predict": 8}}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["response"] == ref and r.json()["prompt_eval_count"] == len(ids)
+    with httpx.stream("POST", f"{url}/api/generate", json={
+            "model": "m", "prompt": prefix, "suffix": suffix, "raw": True,
+            "options": {"num_predict": 8}}, timeout=120) as s:
+        lines = [json.loads(line) for line in s.iter_lines() if line]
+    assert "".join(x["response"] for x in lines) == ref and lines[-1]["done"]
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": prefix, "suffix": suffix,
+                                                  "max_tokens": 8, **PLAIN}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == ref
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    r = httpx.post(f"{url}/infill", json={"input_prefix": prefix, "input_suffix": suffix,
+                                          "n_predict": 8}, timeout=120)
+    assert r.json()["content"] == ref
+    # the model's listings say what it is, and that it can insert
+    with open_gguf(gguf) as m:
+        count, file_type = m.parameter_count, m.file_type_name
+    name = httpx.get(f"{url}/api/tags").json()["models"][0]["name"]
+    shown = httpx.post(f"{url}/api/show", json={"model": name}).json()
+    assert shown["details"]["family"] == "qwen2" and shown["details"]["families"] == ["qwen2"]
+    assert shown["details"]["quantization_level"] == file_type == "Q8_0"
+    assert shown["details"]["parameter_size"] == f"{count / 1e3:.0f}K"  # HumanNumber
+    assert shown["model_info"]["qwen2.context_length"] == 256
+    assert "insert" in shown["capabilities"] and "tools" in shown["capabilities"]
+    r = httpx.post(f"{url}/api/embed", json={"model": "m", "input": "x"})
+    assert r.status_code == 501 and "qwen2" in r.json()["error"]
+
+
+# --- Ollama client libraries -------------------------------------------------------------------
+
+def test_litellm_ollama_chat_provider_replay(url) -> None:
+    """litellm's `ollama_chat/` provider (litellm 1.110, llms/ollama/chat/transformation.py and
+    llms/custom_httpx/llm_http_handler.py): it POSTs `{"model", "messages", "options",
+    "stream"}` to api/chat as `content=json.dumps(data)`, with no Content-Type header (its
+    headers are `User-Agent: litellm/<version>`, plus `Authorization` only with an api key),
+    and reads `message.content`, `prompt_eval_count`, `eval_count` (NDJSON lines when
+    streaming). litellm itself is not installed here (44 MB, and it pulls boto3)."""
+    headers = {"User-Agent": "litellm/1.110.2"}
+    data = {"model": "qwen2.5-coder", "messages": ASK, "options": {"num_predict": 12,
+            "temperature": 0}, "stream": False}
+    r = httpx.post(f"{url}/api/chat", content=json.dumps(data), headers=headers, timeout=120)
+    assert "content-type" not in r.request.headers
+    assert r.status_code == 200, r.text
+    ref = v1_chat(url, messages=ASK, max_tokens=12)
+    assert r.json()["message"]["content"] == ref["choices"][0]["message"]["content"]
+    assert r.json()["eval_count"] == ref["usage"]["completion_tokens"]
+    with httpx.stream("POST", f"{url}/api/chat", content=json.dumps(data | {"stream": True}),
+                      headers=headers, timeout=120) as s:
+        assert s.status_code == 200
+        lines = [json.loads(line) for line in s.iter_lines() if line]
+    assert "".join(x["message"]["content"] for x in lines) == r.json()["message"]["content"]
+    assert lines[-1]["done"] and lines[-1]["eval_count"] == r.json()["eval_count"]
+
+
+def test_litellm_ollama_generate_provider_replay(url) -> None:
+    """litellm's `ollama/` provider (llms/ollama/completion/transformation.py): the messages
+    rendered by its ollama_pt ("### User:\n...\n\n"), POSTed to api/generate as `{"model",
+    "prompt", "options", "stream", "images": []}` the same way, with no Content-Type."""
+    data = {"model": "qwen2.5-coder", "prompt": "### User:\nweather in Paris?\n\n",
+            "options": {"num_predict": 12, "temperature": 0}, "stream": False, "images": []}
+    r = httpx.post(f"{url}/api/generate", content=json.dumps(data),
+                   headers={"User-Agent": "litellm/1.110.2"}, timeout=120)
+    assert r.status_code == 200, r.text
+    ref = v1_chat(url, messages=[{"role": "user", "content": data["prompt"]}], max_tokens=12)
+    assert r.json()["response"] == ref["choices"][0]["message"]["content"]
+
+
+def test_langchain_ollama_chat(url) -> None:
+    """langchain-ollama's ChatOllama (through the ollama client): invoke, stream, and
+    with_structured_output by JSON schema (Ollama's `format`)."""
+    chat_ollama = pytest.importorskip("langchain_ollama", reason="langchain-ollama missing")
+    llm = chat_ollama.ChatOllama(model="m", base_url=url, num_predict=12, temperature=0)
+    reply = llm.invoke("weather in Paris?")
+    ref = v1_chat(url, messages=ASK, max_tokens=12)
+    assert reply.content == ref["choices"][0]["message"]["content"]
+    assert reply.usage_metadata["output_tokens"] == ref["usage"]["completion_tokens"]
+    assert "".join(c.content for c in llm.stream("weather in Paris?")) == reply.content
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=8)
+        days: int = Field(ge=0, le=9)
+
+    structured = chat_ollama.ChatOllama(model="m", base_url=url, num_predict=60,
+                                        temperature=0).with_structured_output(
+        City, method="json_schema")
+    assert isinstance(structured.invoke("a city"), City)
+
+
+def test_llama_index_ollama_llm(url) -> None:
+    """llama-index's Ollama LLM (llama-index-llms-ollama, through the ollama client): chat,
+    complete and stream_complete, with its options in additional_kwargs."""
+    llms = pytest.importorskip("llama_index.llms.ollama", reason="llama-index-llms-ollama missing")
+    from llama_index.core.llms import ChatMessage
+
+    llm = llms.Ollama(model="m", base_url=url, request_timeout=120, temperature=0,
+                      context_window=512, additional_kwargs={"num_predict": 12})
+    reply = llm.chat([ChatMessage(role="user", content="weather in Paris?")])
+    ref = v1_chat(url, messages=ASK, max_tokens=12)
+    assert reply.message.content == ref["choices"][0]["message"]["content"]
+    done = llm.complete("weather in Paris?")
+    assert done.text == reply.message.content
+    assert "".join(c.delta for c in llm.stream_complete("weather in Paris?")) == done.text
 
 
 # --- OpenAI's Responses API --------------------------------------------------------------------
@@ -617,3 +871,60 @@ def test_responses_json_schema_and_refusals(openai_client) -> None:
         with pytest.raises(openai.BadRequestError) as info:
             openai_client.responses.create(**{"model": "m", "input": "x", **kw})
         assert info.value.body["param"] == param, info.value.body
+
+
+def test_responses_cut_calls_cached_tokens_extension_and_unknown_call_ids(url) -> None:
+    """A function call cut by max_output_tokens is `incomplete` inside the incomplete response
+    (streamed and not); `cached_tokens` counts the prompt tokens whose KV cache was reused; the
+    response carries `ane_spec` with its stats; an output for a call the input does not hold is
+    OpenAI's 400."""
+    tool = {"type": "function", "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    # (the tiny vocabulary spells the call's name in ~20 tokens: 30 cut it in its arguments)
+    body = {"model": "m", "input": "weather in Paris?", "tools": [tool], "max_output_tokens": 30,
+            "tool_choice": {"type": "function", "name": "get_weather"}}
+    first = httpx.post(f"{url}/v1/responses", json=body, timeout=120).json()
+    assert first["status"] == "incomplete", first
+    (call,) = first["output"]
+    assert call["type"] == "function_call" and call["status"] == "incomplete", call
+    with pytest.raises(ValueError):
+        json.loads(call["arguments"])
+    # the same request again: its whole prompt is a cached prefix but the last token
+    again = httpx.post(f"{url}/v1/responses", json=body, timeout=120).json()
+    stats = again["ane_spec"]["stats"]
+    assert again["usage"]["input_tokens_details"]["cached_tokens"] == \
+        stats["reused_prefix_tokens"] > 0
+    assert again["usage"]["input_tokens"] == stats["prompt_tokens"]
+    assert again["output"][0]["arguments"] == call["arguments"]
+    with httpx.stream("POST", f"{url}/v1/responses", json=body | {"stream": True},
+                      timeout=120) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    last = events[-1]
+    assert last["type"] == "response.incomplete"
+    assert [o["status"] for o in last["response"]["output"]] == ["incomplete"]
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [i["status"] for i in done] == ["incomplete"]
+    assert last["response"]["ane_spec"]["stats"]["reused_prefix_tokens"] == \
+        last["response"]["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    # a whole call (room to finish) stays completed
+    short = {"type": "string", "pattern": "^[a-z]{1,8}$"}
+    whole = httpx.post(f"{url}/v1/responses", json=body | {"max_output_tokens": 200, "tools": [
+        tool | {"parameters": tool["parameters"] | {"properties": {"city": short},
+                                                    "additionalProperties": False}}]},
+        timeout=120).json()
+    assert whole["status"] == "completed" and whole["output"][-1]["status"] == "completed"
+    # a text answer cut short: its message is the incomplete item
+    text = httpx.post(f"{url}/v1/responses", json={"model": "m", "input": "hi",
+                                                   "max_output_tokens": 2}, timeout=120).json()
+    if text["status"] == "incomplete":
+        assert text["output"][-1]["status"] == "incomplete" and text["output"][-1]["content"]
+    # an output for a call id the input does not hold
+    r = httpx.post(f"{url}/v1/responses", json={"model": "m", "input": [
+        {"role": "user", "content": "weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_2", "output": "21 C"}]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == \
+        "No tool call found for function call output with call_id call_2."
+    assert r.json()["error"]["param"] == "input"

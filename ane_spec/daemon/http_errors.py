@@ -1,6 +1,6 @@
-"""The daemon's error responses, in OpenAI's error shape: the helpers every route uses, and the
-handlers that turn FastAPI's and Starlette's own failures (validation, 404/405, an unhandled
-exception) into that shape. A 500 means a bug, and even then only that request fails.
+"""The daemon's error responses, in OpenAI's error shape (Ollama's under /api/): the helpers
+every route uses, and the handlers that turn FastAPI's and Starlette's own failures
+(validation, 404/405, an unhandled exception) into that shape. A 500 means a bug, and even then only that request fails.
 """
 
 from __future__ import annotations
@@ -34,6 +34,22 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
                    headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, type_, param, code), status_code=status,
                         headers=headers)
+
+
+def is_ollama(path: str) -> bool:
+    """Ollama's routes, whose clients read errors as Ollama writes them."""
+    return path == "/api" or path.startswith("/api/")
+
+
+def error_for(path: str, status: int, message: str, type_: str = "invalid_request_error",
+              param: str | None = None, code: str | None = None,
+              headers: dict[str, str] | None = None) -> JSONResponse:
+    """An error in the shape of the protocol `path` belongs to: Ollama's `{"error": "..."}`
+    under /api/ (what its clients, the ollama library, litellm and LangChain, read), OpenAI's
+    everywhere else."""
+    if is_ollama(path):
+        return JSONResponse({"error": message}, status_code=status, headers=headers)
+    return error_response(status, message, type_, param, code, headers)
 
 
 def endpoint_of(path: str) -> str:
@@ -83,19 +99,19 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
             msg = "the request body must be a JSON object (send Content-Type: application/json)"
         more = f" (also invalid: {', '.join(sorted(others))})" if others else ""
         text = f"{param}: {msg}" if param and not msg.startswith(f"{param}:") else msg
-        return error_response(400, text + more, param=param, code="invalid_value")
+        return error_for(request.url.path, 400, text + more, param=param, code="invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         if endpoint_of(request.url.path) != "other":
             metrics.request(endpoint_of(request.url.path), "rejected_invalid")
-        return error_response(exc.status_code, str(exc.detail), code=code,
-                              headers=getattr(exc, "headers", None))
+        return error_for(request.url.path, exc.status_code, str(exc.detail), code=code,
+                         headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def crash(request: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled error on %s", request.url.path, exc_info=exc)
         metrics.request(endpoint_of(request.url.path), "failed")
-        return error_response(500, f"internal server error ({type(exc).__name__})",
-                              "server_error", code="internal_error")
+        return error_for(request.url.path, 500, f"internal server error "
+                         f"({type(exc).__name__})", "server_error", code="internal_error")

@@ -37,19 +37,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ane_spec.daemon.engine import Engine
 from ane_spec.daemon.prepare import Unavailable, off_loop
+from ane_spec.daemon.fim import fim_prompt, fim_token, fim_tokens
 from ane_spec.daemon.protocol import ChatCompletionRequest, CompletionRequest, dumps
 from ane_spec.daemon.relay import Failure, Generate, answer, chunks, json_body, validated
-from ane_spec.model.tokenizer import FIM_KIND_TEXTS, Tokenizer
+from ane_spec.model.tokenizer import Tokenizer
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # llama-server's error types by status (utils.hpp, format_error_response).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 501: "not_supported_error", 503: "unavailable_error"}
-# llama.cpp's FIM token texts (llama-vocab.cpp): prefix, suffix, middle.
-FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
-              ("<fim-prefix>", "<fim-suffix>", "<fim-middle>"),
-              ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
-              ("<PRE>", "<SUF>", "<MID>"))
 
 
 class NativeCompletion(BaseModel):
@@ -94,29 +90,10 @@ def stop_type(finish_reason: str | None, stop_word: str | None) -> str:
     return "word" if stop_word is not None else "eos"
 
 
-def fim_tokens(tok: Tokenizer) -> tuple[int, int, int] | None:
-    """The vocabulary's (prefix, suffix, middle) FIM tokens, found by text as llama.cpp does
-    when the GGUF does not name them."""
-    for names in FIM_TOKENS:
-        ids = tuple(tok.id_of(n) for n in names)
-        if None not in ids:
-            return ids  # type: ignore[return-value]
-    return None
-
-
 # "\n\n--- snippet ---\n\n": llama-server's separator before each input_extra chunk when the
 # vocabulary has no FIM file-separator token.
 SNIPPET = "\n\n--- snippet ---\n\n"
 N_BATCH = 2048  # llama-server's default --batch-size, which sizes its FIM prompt parts
-
-
-def fim_token(tok: Tokenizer, kind: str) -> int | None:
-    """The vocabulary's FIM token of `kind` ("rep", "sep", ...): the GGUF's own id, else found
-    by its text as llama.cpp does."""
-    if kind in tok.data.fim_token_ids:
-        return tok.data.fim_token_ids[kind]
-    found = [i for i in map(tok.id_of, FIM_KIND_TEXTS[kind]) if i is not None]
-    return min(found) if found else None
 
 
 def infill_prompt(tok: Tokenizer, fim: tuple[int, int, int], raw: Any,
@@ -166,14 +143,11 @@ def infill_prompt(tok: Tokenizer, fim: tuple[int, int, int], raw: Any,
             pieces.append([rep] + tok.encode("myproject\n"))
     ids = [t for piece in reversed(pieces) for t in piece]
     ids = ids[len(ids) - min(extra_budget, len(ids)):]
-    pre, suf, mid = fim
     prompt = tok.encode(parts["prompt"], special=True)  # llama-server parses specials here
     prefix = tok.encode(parts["input_prefix"])
     prefix = prefix[len(prefix) - min(len(prefix), 3 * (n_batch // 4)):]
     suffix = tok.encode(parts["input_suffix"])[:max(0, n_batch // 4 - (2 + len(prompt)))]
-    if tok.data.add_bos_token and tok.bos_token_id is not None:
-        ids.append(tok.bos_token_id)
-    return ids + [pre] + prefix + prompt + [suf] + suffix + [mid]
+    return fim_prompt(tok, fim, prefix + prompt, suffix, before=ids)
 
 
 def router(engine: Engine, generate: Generate) -> APIRouter:

@@ -38,7 +38,7 @@ SLOT_COUNTERS = {
 
 # outcome of a generation request, as counted by ane_spec_requests_total
 OUTCOMES = ("completed", "cancelled", "failed", "rejected_queue_full", "rejected_warming",
-            "rejected_invalid", "rejected_unauthorized", "rejected_host")
+            "rejected_invalid", "rejected_unauthorized", "rejected_host", "rejected_origin")
 
 
 def _escape(value: str) -> str:

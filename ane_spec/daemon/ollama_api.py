@@ -1,37 +1,47 @@
 """Ollama's API (docs/api.md in ollama/ollama), for the chat apps and editor plug-ins that speak
-it: `GET /api/version`, `/api/tags`, `POST /api/show`, `/api/chat`, `/api/generate`. A thin
+it: `GET /` and `HEAD /` ("Ollama is running", which Ollama's Go client probes), `GET
+/api/version`, `/api/tags`, `/api/ps`, `POST /api/show`, `/api/chat`, `/api/generate`. A thin
 adapter: each chat or generate request becomes one /v1 request (see relay.py), and the answer
-goes back as Ollama's JSON, or as its NDJSON stream (the default, as in Ollama).
+goes back as Ollama's JSON, or as its NDJSON stream (the default, as in Ollama). Every error
+under /api/ is in Ollama's shape, `{"error": "message"}` (the middlewares' too).
 
 Mapped: `options` (num_predict, temperature, top_k, top_p, min_p, seed, stop, repeat_penalty,
 repeat_last_n, presence_penalty, frequency_penalty; mirostat and the other llama.cpp samplers
 as on /v1: accepted at their neutral value, refused by name otherwise; and llama.cpp's
-`logit_bias`, which Ollama lacks), `format` ("json" or a
-JSON schema), `tools` (calls come back with `arguments` as an object, as Ollama sends them),
-`raw` on /api/generate (the prompt as it is, no chat template). Accepted and ignored: the model
-name (this server serves one model), `keep_alive` (the model stays loaded), and the options
-that tune Ollama's runner (num_ctx, num_gpu, num_thread, ...).
+`logit_bias`, which Ollama lacks), each typed as Ollama's Go struct types it (api/types.go,
+`Options.FromMap`: an integer option takes any JSON number, truncated, a float one any number,
+and nothing else: `"5"` or `true` is a 400 naming the option), `format` ("json" or a JSON
+schema), `tools` (calls come back with `arguments` as an object, as Ollama sends them), `raw` on
+/api/generate (the prompt as it is, no chat template), `suffix` on /api/generate (a
+fill-in-the-middle prompt, for vocabularies with FIM tokens: see fim.py). Accepted and ignored:
+the model name (this server serves one model), `keep_alive` (the model stays loaded), and the
+options that tune Ollama's runner (num_ctx, num_gpu, num_thread, ...) or that it no longer
+knows. The model listings (/api/tags, /api/show, /api/ps) give the build's real family,
+parameter count, file type and context window, read from its manifest.
 
 Departures: `temperature` defaults to 0 (greedy, the exact speculative path) where Ollama's
-models default to 0.8; images, `suffix`, `context`, `think` and `logprobs` are refused with a
-400 naming them; a tool call cut off by num_predict is dropped (Ollama's arguments are an object,
-which a truncated call cannot be).
+models default to 0.8; images, `context`, `think` and `logprobs` are refused with a 400 naming
+them; a mistyped option is a 400 (Ollama answers 500); `suffix` makes a FIM prompt with `raw`
+too (Ollama ignores it there); a tool call cut off by num_predict is dropped (Ollama's
+arguments are an object, which a truncated call cannot be).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from ane_spec import __version__
 from ane_spec.daemon.engine import Engine
+from ane_spec.daemon.fim import fim_tokens
 from ane_spec.daemon.protocol import ChatCompletionRequest, CompletionRequest
 from ane_spec.daemon.relay import (
     Body, Failure, Generate, answer, chunks, json_body, ndjson, validated,
@@ -44,12 +54,74 @@ SAME_NAME = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "repeat_p
              "repeat_last_n", "presence_penalty", "frequency_penalty", "mirostat",
              "mirostat_tau", "mirostat_eta", "typical_p", "tfs_z",
              "logit_bias")  # not Ollama's: llama.cpp's, as on /v1
+# Ollama's options by the Go kind of their field (api/types.go: Options and the Runner it
+# embeds). mirostat, mirostat_tau, mirostat_eta and tfs_z were fields of older Ollamas (typed
+# as they were there); an option Ollama does not know is ignored, as Ollama ignores it.
+INT_OPTIONS = frozenset({"num_keep", "seed", "num_predict", "top_k", "repeat_last_n", "num_ctx",
+                         "num_batch", "num_gpu", "main_gpu", "num_thread", "draft_num_predict",
+                         "mirostat"})
+FLOAT_OPTIONS = frozenset({"top_p", "min_p", "typical_p", "temperature", "repeat_penalty",
+                           "presence_penalty", "frequency_penalty", "mirostat_tau",
+                           "mirostat_eta", "tfs_z"})
+BOOL_OPTIONS = frozenset({"use_mmap"})
+STRINGS_OPTIONS = frozenset({"stop"})
+# /v1 parameter names as the Ollama request names them, for its error messages.
+OLLAMA_NAMES = {"response_format": "format", "json_schema": "format",
+                "max_tokens": "options.num_predict"} | {n: f"options.{n}" for n in SAME_NAME}
 
 
-class Options(BaseModel):
-    model_config = ConfigDict(extra="allow")
+def typed_options(raw: dict[str, Any] | None) -> dict[str, Any]:
+    """`options` typed as Ollama's `Options.FromMap` types them: JSON numbers are float64 in Go,
+    so an integer option takes any number and truncates it (Go's int64(x)), a float option any
+    number; a string, a bool or anything else where a number belongs is refused, as is a stop
+    list holding anything but strings. null leaves an option unset."""
+    out: dict[str, Any] = {}
+    for key, value in (raw or {}).items():
+        if value is None:
+            continue
+        # a JSON number Go can hold in a float64 (Go's decoder refuses 1e999 and NaN)
+        number = isinstance(value, int) and not isinstance(value, bool) and \
+            abs(value) < 2**1023 or isinstance(value, float) and math.isfinite(value)
+        if key in INT_OPTIONS:
+            if not number:
+                raise Failure(400, f'option "{key}" must be of type integer', f"options.{key}")
+            out[key] = int(value)
+        elif key in FLOAT_OPTIONS:
+            if not number:
+                raise Failure(400, f'option "{key}" must be of type float32', f"options.{key}")
+            out[key] = float(value)
+        elif key in BOOL_OPTIONS:
+            if not isinstance(value, bool):
+                raise Failure(400, f'option "{key}" must be of type boolean', f"options.{key}")
+            out[key] = value
+        elif key in STRINGS_OPTIONS:
+            if not isinstance(value, list):
+                raise Failure(400, f'option "{key}" must be of type array', f"options.{key}")
+            if not all(isinstance(v, str) for v in value):
+                raise Failure(400, f'option "{key}" must be of an array of strings',
+                              f"options.{key}")
+            out[key] = value
+        elif key == "logit_bias":  # llama.cpp's, checked by the /v1 request
+            out[key] = value
+    return out
 
-    num_predict: int | None = Field(None, ge=-2)  # -1: no limit, -2: fill the context
+
+def ollama_message(exc: Failure) -> str:
+    """A /v1 refusal's message, naming the parameter as the Ollama request names it."""
+    head = (exc.param or exc.message.split(":", 1)[0]).split(".")[0]
+    ours = OLLAMA_NAMES.get(head)
+    if ours is None or not exc.message.startswith(head):
+        return exc.message
+    return ours + exc.message[len(head):]
+
+
+def human_number(n: int) -> str:
+    """Ollama's format.HumanNumber: 3.8B, 494.03M, 135M, 4K."""
+    for unit, size, decimals in (("B", 10**9, 1), ("M", 10**6, 2)):
+        if n >= size:
+            value = n / size
+            return f"{value:.0f}{unit}" if value == int(value) else f"{value:.{decimals}f}{unit}"
+    return f"{n / 1000:.0f}K" if n >= 1000 else str(n)
 
 
 class OllamaFunction(BaseModel):
@@ -89,7 +161,7 @@ class _Common(BaseModel):
     model: str | None = None
     stream: bool = True
     format: str | dict[str, Any] | None = None
-    options: Options | None = None
+    options: dict[str, Any] | None = None
     keep_alive: str | int | float | None = None
     think: bool | str | None = None
     logprobs: bool | None = None
@@ -134,7 +206,7 @@ def _generation_fields(body: _Common, kind: str) -> dict[str, Any]:
     out: dict[str, Any] = {"stream": body.stream}
     if body.stream:
         out["stream_options"] = {"include_usage": True}  # the totals of the last line
-    options = body.options.model_dump() if body.options else {}
+    options = typed_options(body.options)
     for name in SAME_NAME:
         if options.get(name) is not None:
             out[name] = options[name]
@@ -142,7 +214,8 @@ def _generation_fields(body: _Common, kind: str) -> dict[str, Any]:
     if n == 0:
         raise Failure(400, "options.num_predict: must be at least 1, or -1 for no limit",
                       "options.num_predict")
-    out["max_tokens"] = -1 if n is None or n < 0 else n  # Ollama's default: no limit
+    # Ollama's default, -1 and -2 (fill the context): no limit but the context
+    out["max_tokens"] = -1 if n is None or n < 0 else n
     schema: dict[str, Any] | None = None
     if body.format == "json":
         schema = {"type": "object"}
@@ -209,9 +282,50 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
     def name() -> str:
         return f"{engine.model_id}:latest"
 
+    manifest = engine.pipeline.manifest
+    family = manifest.model.arch  # GGUF's general.architecture, as Ollama's details give it
+    tok = engine.tokenizer
+    fim = fim_tokens(tok)
+
     def details() -> dict[str, Any]:
-        return {"parent_model": "", "format": "ane-spec", "family": "phi3",
-                "families": ["phi3"], "parameter_size": "", "quantization_level": "Q8_0"}
+        count = manifest.source.parameters
+        return {"parent_model": "", "format": "ane-spec", "family": family,
+                "families": [family],
+                "parameter_size": "" if count is None else human_number(count),
+                "quantization_level": manifest.source.file_type or ""}
+
+    def model_info() -> dict[str, Any]:
+        """Ollama's model_info keys for what the manifest knows. The context length is the
+        build's window, not the GGUF's trained one: clients (Continue, litellm) size their
+        prompts by it."""
+        c = manifest.model
+        info: dict[str, Any] = {
+            "general.architecture": family, "general.name": manifest.name,
+            f"{family}.context_length": engine.context,
+            f"{family}.embedding_length": c.hidden_size, f"{family}.block_count": c.num_layers,
+            f"{family}.feed_forward_length": c.ffn_size,
+            f"{family}.attention.head_count": c.num_heads,
+            f"{family}.attention.head_count_kv": c.num_kv_heads,
+            f"{family}.rope.freq_base": c.rope_freq_base}
+        if manifest.source.parameters is not None:
+            info["general.parameter_count"] = manifest.source.parameters
+        return info
+
+    def capabilities() -> list[str]:
+        from ane_spec.daemon.tool_formats import tool_format_of
+
+        caps = ["completion"]
+        if tool_format_of(tok.data.chat_template, tok.markup_ids, tok.id_of) is not None:
+            caps.append("tools")
+        if fim is not None:
+            caps.append("insert")
+        return caps
+
+    @api.api_route("/", methods=["GET", "HEAD"])
+    async def root() -> Response:
+        """Ollama's liveness answer, which its Go client (`ollama ps`, `Client.Heartbeat`)
+        and apps probing for an Ollama server read."""
+        return PlainTextResponse("Ollama is running")
 
     @api.get("/api/version")
     async def version() -> dict[str, Any]:
@@ -236,22 +350,22 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
         except Failure as exc:
             return error(exc.status, exc.message)
         asked = body.model or body.name
+        if not asked:  # Ollama's ShowHandler, word for word
+            return error(400, "model is required")
         if asked not in (engine.model_id, name()):
             return error(404, f"model '{asked}' not found")
-        tok = engine.tokenizer
         return JSONResponse({
             "modelfile": f"FROM {engine.model_id}\n", "parameters": "temperature 0",
             "template": tok.data.chat_template or "", "details": details(),
-            "model_info": {"general.architecture": "phi3",
-                           "phi3.context_length": engine.context},
-            "capabilities": ["completion", "tools"], "modified_at":
-                engine.pipeline.manifest.created})
+            "model_info": model_info(), "capabilities": capabilities(),
+            "modified_at": manifest.created})
 
     @api.post("/api/embed")
     @api.post("/api/embeddings")
     async def embed() -> Response:
         return error(501, "embeddings are not supported: this server runs a generative "
-                          "Phi-4-mini build whose shards return next-token logits")
+                          f"{family} build ({engine.model_id}) whose shards return next-token "
+                          "logits")
 
     @api.post("/api/chat")
     async def chat(request: Request) -> Response:
@@ -271,7 +385,7 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
             inner = validated(ChatCompletionRequest, fields)
             return await run(request, inner, "chat", body, started)
         except Failure as exc:
-            return error(exc.status, exc.message)
+            return error(exc.status, ollama_message(exc))
 
     @api.post("/api/generate")
     async def generate_(request: Request) -> Response:
@@ -281,25 +395,28 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
             _refuse_unsupported(body, {
                 "images": body.images and "image inputs are not supported: this model reads "
                                           "text only",
-                "suffix": body.suffix and "this model has no fill-in-the-middle tokens",
                 "context": body.context and "not supported: send the conversation to "
                                             "/api/chat instead",
                 "template": body.template and "a template other than the model's is not "
                                               "supported (use raw: true)"})
+            if body.suffix and fim is None:  # Ollama's capability check, in its words
+                raise Failure(400, f"{body.model or name()} does not support insert (its "
+                                   "vocabulary has no fill-in-the-middle tokens)", "suffix")
+            kind = "completions" if body.raw or body.suffix else "chat"
+            fields = _generation_fields(body, kind)  # options are checked before a load
             if not body.prompt:
                 return JSONResponse({"model": body.model or name(), "created_at": now(),
                                      "response": "", "done": True, "done_reason": "load"})
-            if body.raw:
-                inner: Body = validated(CompletionRequest, _generation_fields(
-                    body, "completions") | {"prompt": body.prompt})
+            if kind == "completions":  # raw, or a fill-in-the-middle prompt (no template)
+                inner: Body = validated(CompletionRequest, fields | {
+                    "prompt": body.prompt, "suffix": body.suffix or None})
                 return await run(request, inner, "completions", body, started)
             messages = ([{"role": "system", "content": body.system}] if body.system else []) \
                 + [{"role": "user", "content": body.prompt}]
-            inner = validated(ChatCompletionRequest, _generation_fields(body, "chat") | {
-                "messages": messages})
+            inner = validated(ChatCompletionRequest, fields | {"messages": messages})
             return await run(request, inner, "chat", body, started)
         except Failure as exc:
-            return error(exc.status, exc.message)
+            return error(exc.status, ollama_message(exc))
 
     async def run(request: Request, inner: Body, kind: str, body: _Common,
                   started: float) -> Response:

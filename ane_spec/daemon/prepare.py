@@ -24,6 +24,7 @@ import anyio
 from starlette.requests import Request
 
 from ane_spec.daemon.engine import Engine, WorkItem
+from ane_spec.daemon.fim import fim_prompt, fim_tokens
 from ane_spec.daemon.http_errors import BadRequest
 from ane_spec.daemon.protocol import (
     RANDOM_SEED, SEED_MAX, ChatCompletionRequest, CompletionRequest, SpeculationOptions, Tool,
@@ -165,14 +166,21 @@ def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest, kin
     else:
         where = "prompt"
         source = body.single_prompt()
+        fim = fim_tokens(tok) if body.suffix else None
+        if body.suffix and fim is None:
+            raise BadRequest("suffix: this model's vocabulary has no fill-in-the-middle tokens",
+                             "suffix")
         if isinstance(source, str):
-            prompt = tok.encode(source, special=True, add_special=True)
+            prompt = (tok.encode(source) if fim else
+                      tok.encode(source, special=True, add_special=True))
         else:
             prompt = list(source)
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
                 raise BadRequest(f"token ids {bad[:5]} are outside the vocabulary "
                                  f"0..{vocab - 1}", "prompt")
+        if fim:  # the prompt is the prefix: the model writes what goes before the suffix
+            prompt = fim_prompt(tok, fim, prompt, tok.encode(body.suffix))
     n = len(prompt)
     if n == 0:
         raise BadRequest("the prompt is empty", where)

@@ -4,9 +4,11 @@ Every parameter is either honoured or refused with a 400 naming it. Honoured: Op
 and output controls (temperature, top_p, seed, stop, max_tokens, presence/frequency penalties,
 logit_bias, logprobs, response_format, tools, tool_choice, parallel_tool_calls) and
 llama-server's (top_k, min_p, repeat_penalty, repeat_last_n, ignore_eos, n_predict, json_schema,
-grammar). Refused by name when set to anything but their neutral value: n > 1, echo, suffix,
+grammar). Refused by name when set to anything but their neutral value: n > 1, echo,
 best_of, llama.cpp samplers this server does not run (mirostat, typical_p, dry, xtc, ...),
-non-text content (images, audio, files) and the deprecated functions API. Unknown fields are
+non-text content (images, audio, files) and the deprecated functions API. `suffix` on
+completions is a fill-in-the-middle prompt where the vocabulary has FIM tokens (see fim.py),
+refused otherwise. Unknown fields are
 ignored, as clients send vendor extras. Types are strict: `"stream": "yes"` is refused, not
 coerced.
 
@@ -388,8 +390,6 @@ class CompletionRequest(_Generation):
     def _check_unsupported(self) -> None:
         if self.echo:
             raise ValueError("echo: not supported")
-        if self.suffix:
-            raise ValueError("suffix: not supported (no fill-in-the-middle)")
         if self.best_of not in (None, 1):
             raise ValueError("best_of: only 1 is supported")
         p = self.prompt

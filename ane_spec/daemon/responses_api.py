@@ -13,11 +13,16 @@ functions, and non-text inputs.
 
 A generation cut by `max_output_tokens` ends `status: "incomplete"` with
 `incomplete_details.reason: "max_output_tokens"` (and a `response.incomplete` event), as
-OpenAI's does.
+OpenAI's does; the item it cut (a message, or a function call whose arguments are not whole
+JSON) is `incomplete` too. `usage.input_tokens_details.cached_tokens` counts the prompt tokens
+whose KV cache was reused, and the response carries `ane_spec` (its `stats`, as every /v1
+response does). A `function_call_output` must answer a `function_call` of the same input (400
+otherwise, as OpenAI's).
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -83,6 +88,7 @@ def chat_messages(body: ResponsesBody) -> list[dict[str, Any]]:
         out.append({"role": "system", "content": body.instructions})
     if isinstance(body.input, str):
         return out + [{"role": "user", "content": body.input}]
+    calls: set[Any] = set()  # the call ids of the input's function_call items
     for i, item in enumerate(body.input):
         where = f"input[{i}]"
         kind = item.get("type", "message")
@@ -90,6 +96,7 @@ def chat_messages(body: ResponsesBody) -> list[dict[str, Any]]:
             out.append({"role": item.get("role"), "content": _text_of(item.get("content"),
                                                                      where)})
         elif kind == "function_call":
+            calls.add(item.get("call_id"))
             call = {"id": item.get("call_id"), "type": "function", "function": {
                 "name": item.get("name"), "arguments": item.get("arguments")}}
             if out and out[-1]["role"] == "assistant":
@@ -97,6 +104,9 @@ def chat_messages(body: ResponsesBody) -> list[dict[str, Any]]:
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
+            if item.get("call_id") not in calls:  # OpenAI's answer, word for word
+                raise Failure(400, f"No tool call found for function call output with call_id "
+                                   f"{str(item.get('call_id'))[:100]}.", "input")
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": item.get("call_id"),
                         "content": output if isinstance(output, str) else _text_of(output,
@@ -155,7 +165,16 @@ def chat_request(body: ResponsesBody) -> ChatCompletionRequest:
 def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
     content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": content if status == "completed" else []}
+            "content": content if status != "in_progress" else []}
+
+
+def whole_json(arguments: str) -> bool:
+    """Whether a call's arguments are whole JSON: a call cut by max_output_tokens has not."""
+    try:
+        json.loads(arguments)
+    except ValueError:
+        return False
+    return True
 
 
 def call_item(item_id: str, call_id: str, name: str, arguments: str,
@@ -168,8 +187,10 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
     api = APIRouter()
 
     def response(body: ResponsesBody, rid: str, created: int, status: str,
-                 output: list[dict[str, Any]], use: dict[str, int] | None) -> dict[str, Any]:
-        return {
+                 output: list[dict[str, Any]], use: dict[str, int] | None,
+                 ext: dict[str, Any] | None = None) -> dict[str, Any]:
+        cached = ext["stats"]["reused_prefix_tokens"] if ext else 0
+        out = {
             "id": rid, "object": "response", "created_at": created, "status": status,
             "model": engine.model_id, "output": output, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"}
@@ -183,8 +204,11 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
             "usage": None if use is None else {
                 "input_tokens": use["prompt_tokens"], "output_tokens": use["completion_tokens"],
                 "total_tokens": use["total_tokens"],
-                "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens_details": {"cached_tokens": cached},
                 "output_tokens_details": {"reasoning_tokens": 0}}}
+        if ext is not None:
+            out["ane_spec"] = ext
+        return out
 
     @api.post("/v1/responses")
     async def responses(request: Request) -> Response:
@@ -195,6 +219,7 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
             if not body.stream:
                 data = await answer(generate, request, inner, "chat")
                 choice = data["choices"][0]
+                status = "incomplete" if choice["finish_reason"] == "length" else "completed"
                 output = []
                 if choice["message"].get("content"):
                     output.append(message_item(new_id("msg"), choice["message"]["content"]))
@@ -202,9 +227,12 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
                     output.append(call_item(new_id("fc"), call["id"],
                                             call["function"]["name"],
                                             call["function"]["arguments"]))
-                status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+                if status == "incomplete" and output:  # the item the cut fell in
+                    last = output[-1]
+                    if last["type"] == "message" or not whole_json(last["arguments"]):
+                        last["status"] = "incomplete"
                 return JSONResponse(response(body, rid, created, status, output,
-                                             data["usage"]))
+                                             data["usage"], data.get("ane_spec")))
             events = await chunks(generate, request, inner, "chat")
         except Failure as exc:
             return JSONResponse(error_body(exc.message, param=exc.param, code=exc.code),
@@ -225,16 +253,18 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
         output: list[dict[str, Any]] = []  # finished items
         text: dict[str, Any] | None = None  # the open message: {"id", "index", "text"}
         calls: dict[int, dict[str, Any]] = {}  # open function calls by chat index
-        reason = None
+        reason, ext = None, None
 
-        def close_text() -> list[str]:
+        def close_text(cut: int = -1) -> list[str]:
+            """The open message, `incomplete` when it is item `cut` (the one a cut fell in)."""
             nonlocal text
             if text is None:
                 return []
             where = {"item_id": text["id"], "output_index": text["index"]}
             part = {"type": "output_text", "text": text["text"], "annotations": [],
                     "logprobs": []}
-            item = message_item(text["id"], text["text"])
+            item = message_item(text["id"], text["text"],
+                                "incomplete" if text["index"] == cut else "completed")
             output.append(item)
             text = None
             return [event("response.output_text.done", **where, content_index=0,
@@ -243,10 +273,14 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
                     event("response.output_item.done", output_index=where["output_index"],
                           item=item)]
 
-        def close_calls() -> list[str]:
+        def close_calls(cut: int = -1) -> list[str]:
+            """The open calls; item `cut` is `incomplete` if its arguments are not whole."""
             out = []
             for call in calls.values():
-                item = call_item(call["id"], call["call_id"], call["name"], call["arguments"])
+                status = ("incomplete" if call["index"] == cut
+                          and not whole_json(call["arguments"]) else "completed")
+                item = call_item(call["id"], call["call_id"], call["name"], call["arguments"],
+                                 status)
                 output.append(item)
                 out += [event("response.function_call_arguments.done", item_id=call["id"],
                               output_index=call["index"], name=call["name"],
@@ -270,14 +304,16 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
                 yield event("response.failed", response=failed)
                 return
             if chunk.get("usage"):
-                for line in close_text() + close_calls():
-                    yield line
                 status = "incomplete" if reason == "length" else "completed"
+                cut = opened() - 1 if status == "incomplete" else -1
+                for line in close_text(cut) + close_calls(cut):
+                    yield line
                 yield event(f"response.{status}", response=response(
-                    body, rid, created, status, output, chunk["usage"]))
+                    body, rid, created, status, output, chunk["usage"], ext))
                 continue
             choice = chunk["choices"][0]
             reason = choice.get("finish_reason") or reason
+            ext = chunk.get("ane_spec") or ext
             delta = choice.get("delta") or {}
             if delta.get("content"):
                 if text is None:

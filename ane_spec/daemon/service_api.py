@@ -133,6 +133,9 @@ def router(config: ServeConfig, engine: Engine,
         if action not in SLOT_ACTIONS:
             return error_response(400, f"action must be one of {', '.join(SLOT_ACTIONS)}, got "
                                        f"{action!r}", param="action")
+        if body is not None and body.filename == "":  # llama-server: "Invalid filename"
+            return error_response(400, "filename: must not be empty (leave it out to save as "
+                                       "slot-ID)", param="filename")
         if action == "restore" and not (body and body.filename):
             return error_response(400, "restore needs a filename: {\"filename\": \"NAME\"}",
                                   param="filename")

@@ -102,6 +102,11 @@ class SourceInfo(_Strict):
     path: str
     bytes: int
     sha256: str
+    # What the GGUF says of itself, for the servers' model listings (Ollama's `details`):
+    # its file type as llama.cpp names it ("Q8_0", "Q4_K_M"), and its parameter count (every
+    # tensor's elements). None in builds from before they were recorded.
+    file_type: str | None = Field(None, max_length=64)
+    parameters: int | None = Field(None, ge=0)
 
 
 class BuildOptions(_Strict):

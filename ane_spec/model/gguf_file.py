@@ -299,6 +299,25 @@ class GGUFModel:
                  if n.endswith(("attn_qkv.weight", "attn_q.weight"))}
         return "/".join(sorted(types)) or "unknown"
 
+    @property
+    def file_type_name(self) -> str:
+        """`general.file_type` as llama.cpp and Ollama name it ("Q8_0", "Q4_K_M", "F16"), else
+        the stored type of the attention matrices."""
+        from gguf import LlamaFileType
+
+        value = self.metadata.get("general.file_type")
+        if isinstance(value, int) and not isinstance(value, bool):
+            try:
+                return LlamaFileType(value).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+            except ValueError:
+                pass
+        return self.file_type
+
+    @property
+    def parameter_count(self) -> int:
+        """Every tensor's elements, as Ollama counts a model's parameters."""
+        return sum(math.prod(t.shape) for t in self.tensors.values())
+
     def content_hashes(self) -> tuple[str, dict[str, str]]:
         """sha256 of the whole file and of each tensor's bytes, in one pass over the file.
 
