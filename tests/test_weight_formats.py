@@ -11,7 +11,6 @@ and the other 511 round coarsely (cosine 0.9988 and 0.9977, below the 0.999 floo
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from pathlib import Path
 
@@ -221,18 +220,17 @@ def test_fit_lut_gives_outliers_entries_of_their_own() -> None:
 
 # --- the real files, when they are here ------------------------------------------------------
 
-REAL = Path(os.environ.get("ANE_SPEC_REAL_MODELS", "/work/cache/models"))
-REAL_FILES = [("SmolLM2-135M-Instruct.Q4_1.gguf", "Q4_1", {"F32": 61, "Q4_1": 210, "Q8_0": 1}),
-              ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "Q4_K_M",
+# The catalog's real files, pulled once into the user cache (tests/real_models.py).
+REAL_FILES = [("smollm2_gguf", "Q4_1", {"F32": 61, "Q4_1": 210, "Q8_0": 1}),
+              ("qwen_coder_gguf", "Q4_K_M",
                {"F32": 121, "Q4_K": 12, "Q5_0": 133, "Q6_K": 12, "Q8_0": 13})]
 
 
-@pytest.mark.parametrize("name,file_type,types", REAL_FILES, ids=["smollm2", "qwen2.5-coder"])
+@pytest.mark.parametrize("fixture,file_type,types", REAL_FILES, ids=["smollm2", "qwen2.5-coder"])
 def test_real_file_opens_and_a_layer_builds_with_default_weights(
-        name: str, file_type: str, types: dict[str, int], tmp_path: Path) -> None:
-    path = REAL / name
-    if not path.is_file():
-        pytest.skip(f"{name} is not in {REAL} (set ANE_SPEC_REAL_MODELS)")
+        fixture: str, file_type: str, types: dict[str, int], tmp_path: Path,
+        request: pytest.FixtureRequest) -> None:
+    path = request.getfixturevalue(fixture)
     from ane_spec.probes.synthetic import build_gguf_layer
     from ane_spec.shards.embeddings import write_embeddings
     from ane_spec.shards.layer_weights import layer_weights
