@@ -60,4 +60,7 @@ def coreml_standin(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.Tem
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("standin-cache")))
     coreml_standin.install(monkeypatch)
+    # Core ML runs in worker processes (runtime/coreml_worker.py): they install it too.
+    for key, value in coreml_standin.child_env().items():
+        monkeypatch.setenv(key, value)
     return coreml_standin

@@ -72,10 +72,13 @@ def test_compiled_once_into_the_cache(coreml_standin, shard, monkeypatch) -> Non
         return real(spec_path)
 
     monkeypatch.setattr(coreml_standin.StandinModel, "compileModel", staticmethod(counting))
-    backend = make_backend("coreml")
+    # The in-process backend: the one the Core ML worker process runs.
+    from ane_spec.runtime.coreml_backend import CoreMLBackend
+
+    backend = CoreMLBackend()
     backend.load(path, sha256=sha)
     backend.load(path, sha256=sha)
-    make_backend("coreml", decode_shape="mixed").load(path)  # hashes the package: same key
+    CoreMLBackend(reshape_frequency="Frequent").load(path)  # hashes the package: same key
     assert compiled == [str(path)]
 
 
@@ -206,8 +209,13 @@ def test_a_float16_write_state_fails_through_the_standin(coreml_standin, coreml_
     from ane_spec.probes.gates import open_pipeline
     from ane_spec.probes.row_invariance import run_row_invariance
 
+    from ane_spec.manifests.store import load_manifest
+    from ane_spec.runtime.coreml_backend import CoreMLBackend
+    from ane_spec.runtime.pipeline import ShardPipeline
+
     out, _ = coreml_build
-    _, pipeline = open_pipeline(out, "coreml", "fp32")
+    # In this process, so the old write_state can be put back (the worker runs the same code).
+    pipeline = ShardPipeline(load_manifest(out), CoreMLBackend())
     assert run_row_invariance(pipeline, prefix_lengths=(5,), end_of_context=False).passed
     monkeypatch.setattr(CoreMLProgram, "write_state", float16_write_state)
     with pytest.raises(RuntimeError, match="value type not convertible"):
@@ -271,8 +279,10 @@ def test_every_value_crossing_into_core_ml_is_one_the_bridge_accepts(coreml_stan
     whole-state copy for write_state; an unknown state name is our error, not Core ML's."""
     from ane_spec.errors import AneSpecError
 
+    from ane_spec.runtime.coreml_backend import CoreMLBackend
+
     path, sha = shard
-    program = make_backend("coreml").load(path, sha256=sha)
+    program = CoreMLBackend().load(path, sha256=sha)  # what runs in the worker process
     state = program.make_state()
     hostile = {}
     for name, value in feed().items():
@@ -284,7 +294,7 @@ def test_every_value_crossing_into_core_ml_is_one_the_bridge_accepts(coreml_stan
     with pytest.raises(RuntimeError):  # straight to the bridge, this is refused
         program.model.predict(dict(hostile), state)
     np.testing.assert_array_equal(program.predict(hostile, state)["hidden"],
-                                  make_backend("coreml").load(path, sha256=sha).predict(
+                                  CoreMLBackend().load(path, sha256=sha).predict(
                                       feed(), program.make_state())["hidden"])
     zeros = np.broadcast_to(np.float16(0), (1, 2, 64, 32))  # read-only, zero strides
     program.write_state(state, "layer_0_k", zeros)

@@ -39,6 +39,7 @@ from ane_spec.probes.report import GateReport
 from ane_spec.runtime.backend import BackendUnavailable, make_backend
 from ane_spec.runtime.decode_shape import DecodeShapePolicy, check_decode_shape
 from ane_spec.runtime.state_budget import ANE_PROCESS_BYTES, slot_budget
+from ane_spec.worker_process import WorkerDied
 
 Status = Literal["passed", "failed", "skipped"]
 WARM_REPEATS = 5
@@ -546,6 +547,9 @@ def run_one(check: CheckFn, run: DoctorRun) -> Verdict:
         verdict = Verdict("skipped", str(why))
     except BackendUnavailable as exc:
         verdict = Verdict("skipped", str(exc))
+    except WorkerDied as exc:  # a pipeline's Core ML worker died under the check
+        verdict = Verdict("failed", f"crashed: {exc}", dict(exc.details) | {
+            "worker": exc.worker, "during": exc.during})
     except Exception as exc:  # one broken check must not hide the others' results
         verdict = Verdict("failed", f"error: {type(exc).__name__}: {exc}".splitlines()[0])
     caused = shape_switches() - switches
