@@ -371,6 +371,9 @@ class Engine:
         session.drafter.memory = memory if output_safe else None
         try:
             slot = slots.acquire(item.prompt, item.scope)
+        except WorkerDied as exc:  # moving K/V in or out of the worker: recovered by _main
+            job.post("error", (500, self._death_message(exc)))
+            raise
         except Exception as exc:  # noqa: BLE001 - one request must never take the worker down
             log.exception("choosing a KV slot failed")
             job.post("error", (500, f"internal error choosing a KV slot ({type(exc).__name__})"))

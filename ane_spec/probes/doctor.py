@@ -185,17 +185,21 @@ def check_environment(run: DoctorRun) -> Verdict:
 
 @core_ml_check
 def check_neural_engine(run: DoctorRun) -> Verdict:
-    run.need_hardware()
+    run.need_coreml()
     from coremltools.models.compute_device import MLComputeDevice, MLNeuralEngineComputeDevice
+
+    from ane_spec.runtime.coreml_backend import hardware_problem
 
     devices = MLComputeDevice.get_all_compute_devices()
     engines = [d for d in devices if isinstance(d, MLNeuralEngineComputeDevice)]
     names = [type(d).__name__ for d in devices]
+    # Under a stand-in for Core ML's native layer the list is the stand-in's: say so.
+    note = f" (device list from a stand-in: {hardware_problem()})" if hardware_problem() else ""
     if not engines:
-        return Verdict("failed", f"no Neural Engine among {names}",
+        return Verdict("failed", f"no Neural Engine among {names}{note}",
                      {"devices": names})
     cores = engines[0].total_core_count
-    return Verdict("passed", f"Neural Engine with {cores} cores",
+    return Verdict("passed", f"Neural Engine with {cores} cores{note}",
                  {"devices": names, "ane_cores": cores})
 
 

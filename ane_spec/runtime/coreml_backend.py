@@ -176,6 +176,14 @@ class FeedRing:
     def __len__(self) -> int:
         return len(self._kept)
 
+    def holds(self, array: np.ndarray) -> bool:
+        return any(a is array for _, feed in self._kept for a in feed.values())
+
+
+# One ring for the process, not one per program: a program dropped right after a call (a probe's
+# throwaway load) must not take the arrays Core ML may still hold with it.
+FEEDS = FeedRing()
+
 
 class CoreMLProgram:
     def __init__(self, model: Any, input_names: list[str], output_names: list[str],
@@ -185,7 +193,7 @@ class CoreMLProgram:
             input_names, output_names, state_names)
         self.reshape_frequency = reshape_frequency
         self._last_shapes: tuple | None = None
-        self.feeds = FeedRing()
+        self.feeds = FEEDS
 
     def _count_shape(self, feed: dict[str, np.ndarray]) -> None:
         self._last_shapes = count_shape_switch(self.reshape_frequency, self._last_shapes, feed)

@@ -218,11 +218,18 @@ class ShardPipeline:
         return PipelineState([shard.make_state() for shard in self.shards])
 
     def copy_state(self, state: PipelineState) -> PipelineState:
-        """A new state holding the same K/V, value for value."""
+        """A new state holding the same K/V, value for value: read back after the write, so a
+        write that did not land fails here rather than making both sides of a probe equally
+        wrong (the probes compare runs that start from copies)."""
         copy = self.new_state()
-        for shard, src, dst in zip(self.shards, state.shard_states, copy.shard_states):
+        for k, (shard, src, dst) in enumerate(zip(self.shards, state.shard_states,
+                                                  copy.shard_states)):
             for name in shard.state_names:
-                shard.write_state(dst, name, shard.read_state(src, name))
+                value = shard.read_state(src, name)
+                shard.write_state(dst, name, value)
+                if not np.array_equal(shard.read_state(dst, name), value):
+                    raise AneSpecError(f"shard {k}: state '{name}' written with write_state "
+                                       "reads back different values: the write did not land")
         return copy
 
     # --- layout ---------------------------------------------------------------------------
