@@ -105,8 +105,8 @@ class Slab:
 
     @property
     def free(self) -> bool:
-        # 2 = the list's reference + getrefcount's argument: no array holds the window.
-        self._leases = [w for w in self._leases if sys.getrefcount(w) > 2]
+        # 3 = the list's reference, the loop's and getrefcount's argument: no array holds it.
+        self._leases = [w for w in self._leases if sys.getrefcount(w) > 3]
         return not self._leases
 
     def close(self) -> None:
