@@ -319,13 +319,17 @@ class WorkerProcess:
 
     # --- lifecycle ---------------------------------------------------------------------------
 
+    # Read from other threads (the server's /health) while a call may be ending: one read of
+    # _proc each, never a lock (a call holds it for as long as Core ML runs).
     @property
     def alive(self) -> bool:
-        return self._proc is not None and self._proc.is_alive()
+        proc = self._proc
+        return proc is not None and proc.is_alive()
 
     @property
     def pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
+        proc = self._proc
+        return None if proc is None else proc.pid
 
     @property
     def generation(self) -> int:
