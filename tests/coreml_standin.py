@@ -460,7 +460,8 @@ class StandinModel:
 
     @staticmethod
     def get_all_compute_devices() -> list:
-        # getAllComputeDevices (CoreMLPython.mm, macOS 14 gate) -> MLComputeDevice.allComputeDevices,
+        # getAllComputeDevices (CoreMLPython.mm, macOS 14 gate) ->
+        # MLComputeDevice.allComputeDevices,
         # each wrapped in coremltools' Python class (compute_device.py). A Mac with a Neural
         # Engine lists a CPU, a GPU and the Neural Engine.
         from coremltools.models import compute_device as cd
