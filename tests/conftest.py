@@ -50,6 +50,21 @@ def coreml_build(tmp_path_factory: pytest.TempPathFactory):
     return root / "art", load_manifest(root / "art").manifest
 
 
+@pytest.fixture(scope="session")
+def context_build(tmp_path_factory: pytest.TempPathFactory):
+    """A 2-layer, 64-token build whose next tokens depend on the whole context (changing every
+    prompt token but the last changes the next 4 tokens: `test_coreml_worker` shows it), unlike
+    `coreml_build`, whose output follows the last token only: slot tests need this one, or a
+    slot holding the wrong K/V would go unseen."""
+    from ane_spec.shards.build import BuildRequest, build
+
+    root = tmp_path_factory.mktemp("context")
+    gguf = write_synthetic_gguf(root / "ctx.gguf", preset("tiny", num_layers=2, embed_std=0.3,
+                                                          branch_scale=4.0, seed=7))
+    build(gguf, root / "art", BuildRequest(topology="2", max_seq=64))
+    return root / "art"
+
+
 @pytest.fixture
 def coreml_standin(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory):
     """coremltools' native layer replaced by tests/coreml_standin.py for one test: the real
@@ -60,4 +75,7 @@ def coreml_standin(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.Tem
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("standin-cache")))
     coreml_standin.install(monkeypatch)
+    # Core ML runs in worker processes (runtime/coreml_worker.py): they install it too.
+    for key, value in coreml_standin.child_env().items():
+        monkeypatch.setenv(key, value)
     return coreml_standin

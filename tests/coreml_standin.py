@@ -11,7 +11,29 @@ It enforces what the native code enforces, each rule cited from coremltools 9.0'
 behaviour; anything Core ML would refuse raises the same exception type the bridge raises
 (`RuntimeError`, pybind11's translation of `std::runtime_error`). It computes with the project's
 MIL interpreter in fp16, so results are real. What it cannot model: where ops run (its compute
-plan reports every op with no device usage, "unplanned"), speed, JIT specialisation, memory.
+plan reports every op with no device usage, "unplanned", unless a test gives it a table), speed,
+JIT specialisation, memory.
+
+Round 3 (issue 28) rules, each cited where it is enforced; the ones that cost time or kill the
+process are switched on by a test through `set_rules(...)` or, for worker processes, the
+ANE_SPEC_STANDIN_RULES environment variable (JSON):
+- input lifetime: an array given to `predict` or `write_state` that dies within
+  LIFETIME_SECONDS of the call returning is an error at the next native call (coremltools
+  PRs #2827, #2829) - always on;
+- the GIL is held for the whole of every native call (`gil_seconds`, `first_call_seconds` per
+  input shape, `load_seconds`): a ctypes.PyDLL sleep, which never releases it;
+- MLComputeDevice.get_all_compute_devices() lists a CPU, a GPU and a 16-core Neural Engine;
+- a compute-plan table (`plan_devices`) gives per-op devices, so residency's pass and fail
+  branches run;
+- reshapeFrequency Frequent + a RangeDim input + CPU_AND_NE runs off the ANE (`placement`);
+- `ftz`: fp16 subnormals flushed to zero in every value crossing in or out;
+- Core ML's errors read as the bridge writes them (`str(NSError.userInfo)`), the missing-state
+  message of coremltools #2519 included;
+- `replay` (benchmarks only): a prediction at shapes seen before returns the first result
+  again without computing, so what is timed is the host side and the bridge's copies;
+- injected failures: `kill_at_first_predict` (a load that "succeeds" and a first predict that
+  SIGKILLs the process, #2758), `kill_at_predict` (the n-th predict of this process), and
+  `code8_at_predict` ("ANE inference error Code=8").
 """
 
 from __future__ import annotations
@@ -19,8 +41,10 @@ from __future__ import annotations
 import builtins
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -38,7 +62,95 @@ COMPUTE_UNIT_NAMES = ("ALL", "CPU_ONLY", "CPU_AND_GPU", "CPU_AND_NE")
 SITE_DIR = Path(__file__).parent / "coreml_standin_site"  # sitecustomize for child processes
 ENV_FLAG = "ANE_SPEC_TEST_COREML_STANDIN"
 
+RULES_ENV = "ANE_SPEC_STANDIN_RULES"
+# coremltools PR #2827: Core ML's MLE5 engine releases a prediction's inputs "~1 second later";
+# an array that dies sooner than this after its call returned was (at best) only alive by luck.
+LIFETIME_SECONDS = 2.0
+NEURAL_ENGINE_CORES = 16
+
 _macos: tuple[int, ...] = DEFAULT_MACOS
+_rules: dict[str, Any] = {}
+_predicts = 0  # predictions in this process (for kill_at_predict / code8_at_predict)
+lifetime_violations: list[str] = []
+placements: dict[str, str] = {}  # compiled model path -> where it runs
+
+
+def set_rules(**rules: Any) -> None:
+    """Turn stand-in rules on in this process (tests); see the module docstring."""
+    _rules.update(rules)
+
+
+def rules_env(**rules: Any) -> dict[str, str]:
+    """The environment that turns the same rules on in a worker process."""
+    import json
+
+    return {RULES_ENV: json.dumps(rules)}
+
+
+def ns_error(description: str) -> RuntimeError:
+    """An error as the bridge raises it: `Utils::handleError` (CoreMLPythonUtils.mm) formats
+    `[error userInfo]` with `%@`, an NSDictionary's description, into std::runtime_error."""
+    escaped = description.replace("\\", "\\\\").replace('"', '\\"')
+    return RuntimeError(f'{{\n    NSLocalizedDescription = "{escaped}";\n}}')
+
+
+def _hold_gil(seconds: float) -> None:
+    """Sleep without releasing the GIL, as every call into the bridge does: coremltools binds
+    predict, the model's load, read_state and write_state as plain pybind `.def`s with no
+    `py::call_guard<py::gil_scoped_release>` (CoreMLPython.mm). ctypes.PyDLL keeps the GIL
+    during the foreign call (ctypes.CDLL would release it)."""
+    if seconds > 0:
+        import ctypes
+
+        ctypes.PyDLL(None).usleep(int(seconds * 1e6))
+
+
+def _check_lifetimes() -> None:
+    if lifetime_violations:
+        raise RuntimeError(f"stand-in: {lifetime_violations[0]}")
+
+
+def _watch(arrays: list[np.ndarray], what: str) -> Any:
+    """Watch arrays handed to the bridge; call the result when the native call returns."""
+    import weakref
+
+    returned: list[float] = []
+
+    def died(_ref: Any) -> None:
+        if not returned:  # during the call: the bridge holds it, it cannot die
+            return
+        after = time.monotonic() - returned[0]
+        if after < LIFETIME_SECONDS:
+            lifetime_violations.append(
+                f"an array given to {what} was freed {after:.3f} s after the call returned; "
+                "Core ML releases its wrapper about a second later, without the GIL "
+                "(coremltools PRs #2827, #2829): keep every input alive past that")
+
+    refs = [weakref.ref(a, died) for a in arrays]
+    if len(_watched) > 4096:
+        _watched[:] = [r for r in _watched if r() is not None]
+    _watched.extend(refs)
+
+    def done() -> None:
+        returned.append(time.monotonic())
+
+    return done
+
+
+_watched: list[Any] = []  # the weakrefs themselves must live for their callbacks to run
+
+
+def _flush_subnormals(value: np.ndarray) -> np.ndarray:
+    """`ftz`: fp16 subnormals (|x| < 2**-14) become zero, as a device that flushes them would."""
+    if not _rules.get("ftz") or value.dtype.kind != "f":
+        return value
+    as16 = value.astype(np.float16)
+    tiny = (as16 != 0) & (np.abs(as16) < np.float16(2.0**-14))
+    if not tiny.any():
+        return value
+    out = np.array(value)
+    out[tiny] = 0
+    return out
 
 
 def _need_macos(version: tuple[int, ...], message: str) -> None:
@@ -115,7 +227,7 @@ def _source_package(compiled: str) -> Path:
     package = Path(compiled) / _PACKAGE_IN_MODELC
     if not package.is_dir():
         # [MLModel modelWithContentsOfURL:] on a folder that is not a compiled model.
-        raise RuntimeError(f"{{NSLocalizedDescription = \"Unable to load model at {compiled}\"}}")
+        raise ns_error(f"Unable to load model at {compiled}")
     return package
 
 
@@ -146,10 +258,10 @@ class _Description:
         # Its errors reach Python through Utils::handleError as RuntimeError.
         missing = sorted(set(self.inputs) - set(features))
         if missing:
-            raise RuntimeError(f"Feature {missing[0]} is required but not specified.")
+            raise ns_error(f"Feature {missing[0]} is required but not specified.")
         unknown = sorted(set(features) - set(self.inputs))
         if unknown:
-            raise RuntimeError(f"Feature {unknown[0]} is not an input of the model.")
+            raise ns_error(f"Feature {unknown[0]} is not an input of the model.")
         for name, value in features.items():
             shape, ranges = self.inputs[name]
             rank = len(ranges) or len(shape)
@@ -157,9 +269,9 @@ class _Description:
                 n < lo or (hi >= 0 and n > hi) for n, (lo, hi) in zip(value.shape, ranges)
             ) or (not ranges and tuple(value.shape) != shape)
             if bad:
-                raise RuntimeError(f"MultiArray shape {value.shape} does not match the shape "
-                                   f"{shape} (ranges {ranges}) specified in the model "
-                                   f"description for feature {name}.")
+                raise ns_error(f"MultiArray shape {value.shape} does not match the shape "
+                               f"{shape} (ranges {ranges}) specified in the model "
+                               f"description for feature {name}.")
 
 
 class StandinState:
@@ -182,6 +294,8 @@ class StandinState:
         # State::readState: the macOS 15 gate, then convertArrayValueToPython(buffer): a float32
         # copy of the fp16 state.
         _need_macos((15, 0), "Reading state is only available on macOS >= 15.0")
+        _check_lifetimes()
+        _hold_gil(_rules.get("gil_seconds", 0.0))
         return _array_to_python(self._buffer(name))
 
     def write_state(self, name: str, value: Any) -> None:
@@ -191,12 +305,18 @@ class StandinState:
         # `transferToMultiArray:` into the state's buffer, which needs the whole state's shape
         # (Core ML raises an NSException otherwise) and converts to the state's fp16.
         _need_macos((15, 0), "Writing state is only available on macOS >= 15.0")
+        _check_lifetimes()
         buffer = self._buffer(name)
         array = _array_from_python(value)
         if tuple(array.shape) != buffer.shape:
             raise RuntimeError(f"transferToMultiArray: shape {array.shape} does not match the "
                                f"destination shape {buffer.shape} of state {name!r}")
-        buffer[...] = array.astype(np.float16)
+        # The wrapper convertValueToObjC made holds the array too (PybindCompatibleArray), and
+        # writeState has no autorelease pool of its own: the same lifetime rule as predict's.
+        returned = _watch([array], "write_state")
+        _hold_gil(_rules.get("gil_seconds", 0.0))
+        buffer[...] = _flush_subnormals(array).astype(np.float16)
+        returned()
 
 
 class StandinModel:
@@ -221,6 +341,26 @@ class StandinModel:
         package = _source_package(compiled)
         self.description = _Description(package, function)
         self.interp = MILInterpreter.from_package(package, precision="fp16", function=function)
+        self.package = str(package)
+        self.shapes_seen: set[tuple] = set()
+        self.replayed: dict[tuple, dict[str, np.ndarray]] = {}
+        _hold_gil(_rules.get("load_seconds", 0.0))  # the load is a native call too
+        # Apple's flexible-inputs guide: only reshapeFrequency Infrequent lets a flexible-shape
+        # model run on the Neural Engine; coremltools #2600 shows a stateful RangeDim LLM loaded
+        # otherwise running wholly on the CPU.
+        flexible = any(ranges and any(lo != hi for lo, hi in ranges)
+                       for _, ranges in self.description.inputs.values())
+        frequent = self.optimization_hints.get("reshapeFrequency") == "Frequent"
+        self.placement = ("CPU: not on the ANE (reshapeFrequency Frequent with a RangeDim "
+                          "input)" if flexible and frequent and compute_units in (
+                              "CPU_AND_NE", "ALL") else "as planned")
+        placements[compiled] = self.placement
+        self.kill_first = _matches(_rules.get("kill_at_first_predict"), self.package)
+        if self.kill_first:
+            # coremltools #2758: the ANE compiler's failure goes to stderr and the load returns.
+            print("E5RT encountered an STL exception. msg = MILCompilerForANE error: failed to "
+                  "compile ANE model using ANEF. Error=_ANECompiler : ANECCompile() FAILED.",
+                  file=sys.stderr, flush=True)
 
     def newState(self) -> StandinState:  # noqa: N802 - the bridge's name
         # Model::newState: macOS 15 gate ("Stateful model is only available on macOS >= 15.0").
@@ -236,6 +376,22 @@ class StandinModel:
                 raise RuntimeError("Invalid key type dictionary.")
             features[key] = _array_from_python(value)
         self.description.check_inputs(features)
+        _check_lifetimes()
+        global _predicts
+        _predicts += 1
+        if self.kill_first or (_predicts == _rules.get("kill_at_predict") and _first_time()):
+            # #2758: "the first predict() silently kills the whole host process with SIGKILL".
+            os.kill(os.getpid(), signal.SIGKILL)
+        if _predicts == _rules.get("code8_at_predict"):
+            # Seen in the field (InvokeAI #4356, stable-diffusion-webui #13419): the ANE fails
+            # the request; the error text is the NSError's, as the bridge reports errors.
+            raise ns_error("processRequest:model:qos:qIndex:modelStringID:options:error:: "
+                           "ANEProgramProcessRequestDirect() Failed with status=0x16 : "
+                           "statusType=0x9: Program Inference error (ANE inference error "
+                           "Error Domain=com.apple.appleneuralengine Code=8)")
+        shapes = tuple(sorted((k, v.shape) for k, v in features.items()))
+        first = shapes not in self.shapes_seen
+        self.shapes_seen.add(shapes)
         if state is not None:
             # predictionFromFeatures:usingState: needs macOS 15. The state must come from the
             # model's newState; Core ML's own check is undocumented, so the stand-in checks only
@@ -246,14 +402,34 @@ class StandinModel:
                     self.description.states):
                 raise RuntimeError("The state was not created by this model (makeState).")
         elif self.description.states:
-            # A stateful model predicted without a state. Assumed refused (Apple documents
-            # prediction(from:using:) as the way to run stateful models; not verified here):
-            # stricter than Core ML at worst.
-            raise RuntimeError("A stateful model needs a state (make_state) to predict.")
+            # A stateful model predicted without a state: Core ML's own error, as coremltools
+            # #2519 shows it (one state named; the stand-in names the first).
+            raise ns_error(f"The input feature for {sorted(self.description.states)[0]} must "
+                           "be an MLState, but it was not.")
+        # The bridge wraps each array without copying it and Core ML may keep the wrapper
+        # after the call (coremltools PRs #2827, #2829): watch each one's lifetime.
+        returned = _watch(list(features.values()), "predict")
+        # The whole call holds the GIL; a program's first call at a new input shape also pays
+        # its specialisation (ane-platform-notes: ~115 s cold at Phi size).
+        _hold_gil(_rules.get("gil_seconds", 0.0)
+                  + (_rules.get("first_call_seconds", 0.0) if first else 0.0))
         # Core ML converts each input to its declared type (fp16 here) before running.
-        out = self.interp.predict(features, None if state is None else state.buffers)
+        feed = {k: _flush_subnormals(v) for k, v in features.items()}
+        if _rules.get("replay") and shapes in self.replayed:
+            # Benchmarks of the host side only (scripts/bench_worker_boundary.py): the first
+            # result at these shapes again, computed in no time; the state is left alone.
+            out = self.replayed[shapes]
+        else:
+            out = self.interp.predict(feed, None if state is None else state.buffers)
+            if _rules.get("replay"):
+                self.replayed[shapes] = {k: np.array(v) for k, v in out.items()}
+        if state is not None and _rules.get("ftz"):
+            for name, buf in state.buffers.items():
+                buf[...] = _flush_subnormals(buf)
+        returned()
         # Utils::featuresToDict -> convertArrayValueToPython: fp16 outputs come back float32.
-        return {name: _array_to_python(np.asarray(v)) for name, v in out.items()}
+        return {name: _array_to_python(_flush_subnormals(np.asarray(v)))
+                for name, v in out.items()}
 
     def batchPredict(self, data: list) -> list:  # noqa: N802 - the bridge's name
         return [self.predict(d) for d in data]
@@ -283,8 +459,36 @@ class StandinModel:
         return _structure(_source_package(path))
 
     @staticmethod
-    def get_available_compute_devices() -> list:
-        return []  # the stand-in knows no hardware
+    def get_all_compute_devices() -> list:
+        # getAllComputeDevices (CoreMLPython.mm, macOS 14 gate) ->
+        # MLComputeDevice.allComputeDevices,
+        # each wrapped in coremltools' Python class (compute_device.py). A Mac with a Neural
+        # Engine lists a CPU, a GPU and the Neural Engine.
+        from coremltools.models import compute_device as cd
+
+        _need_macos((14, 0), "MLComputeDevice is only available on macOS >= 14.0")
+        return [cd.MLCPUComputeDevice(StandinCPUDevice()),
+                cd.MLGPUComputeDevice(StandinGPUDevice()),
+                cd.MLNeuralEngineComputeDevice(StandinNeuralEngineDevice())]
+
+    get_available_compute_devices = get_all_compute_devices
+
+
+def _first_time() -> bool:
+    """`kill_once_file`: kill only the first process that gets there (a restarted worker runs
+    on), marking the file; without it, every process."""
+    marker = _rules.get("kill_once_file")
+    if not marker:
+        return True
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def _matches(pattern: str | None, package: str) -> bool:
+    return bool(pattern) and (pattern == "*" or pattern in package)
 
 
 def _set_compute_unit(compute_units: str) -> None:
@@ -357,15 +561,48 @@ def _structure(package: Path):
                                pipeline=None)
 
 
+class StandinCPUDevice:
+    """_MLCPUComputeDeviceProxy"""
+
+
+class StandinGPUDevice:
+    """_MLGPUComputeDeviceProxy"""
+
+
+class StandinNeuralEngineDevice:
+    """_MLNeuralEngineComputeDeviceProxy: NeuralEngineComputeDevice::getTotalCoreCount."""
+
+    def get_total_core_count(self) -> int:
+        return NEURAL_ENGINE_CORES
+
+
 class StandinComputePlan:
     """ComputePlan proxy: the structure is real; device usage and cost are unknown (None) for
-    every op, i.e. "unplanned": the stand-in does not know where Core ML would place anything."""
+    every op, i.e. "unplanned": the stand-in does not know where Core ML would place anything.
+    With the `plan_devices` rule ({"default": "NeuralEngine", "ops": {"select": "CPU"}}) each
+    non-const op gets the device of its type from that table, so residency's pass and fail
+    branches both run; consts stay None, as Core ML leaves them (ane-platform-notes)."""
 
     def __init__(self, package: Path):
         self.model_structure = _structure(package)
 
-    def get_compute_device_usage_for_mlprogram_operation(self, operation) -> None:
-        return None
+    def get_compute_device_usage_for_mlprogram_operation(self, operation):  # noqa: ANN001, ANN201
+        table = _rules.get("plan_devices")
+        if not table or operation.operator_name == "const" or (
+                operation.operator_name.startswith("constexpr_")):
+            return None
+        from coremltools.models import compute_device as cd
+        from coremltools.models.compute_plan import MLComputePlanDeviceUsage
+
+        name = table.get("ops", {}).get(operation.operator_name, table.get("default"))
+        if name is None:
+            return None
+        device = {"CPU": lambda: cd.MLCPUComputeDevice(StandinCPUDevice()),
+                  "GPU": lambda: cd.MLGPUComputeDevice(StandinGPUDevice()),
+                  "NeuralEngine": lambda: cd.MLNeuralEngineComputeDevice(
+                      StandinNeuralEngineDevice())}[name]()
+        return MLComputePlanDeviceUsage(preferred_compute_device=device,
+                                        supported_compute_devices=[device])
 
     def get_compute_device_usage_for_neuralnetwork_layer(self, layer) -> None:
         return None
@@ -380,6 +617,9 @@ def native_module() -> types.ModuleType:
     module = types.ModuleType("coremltools.libcoremlpython")
     module._MLModelProxy = StandinModel
     module._MLComputePlanProxy = StandinComputePlan
+    module._MLCPUComputeDeviceProxy = StandinCPUDevice
+    module._MLGPUComputeDeviceProxy = StandinGPUDevice
+    module._MLNeuralEngineComputeDeviceProxy = StandinNeuralEngineDevice
     module.ANE_SPEC_STANDIN = STANDIN_REASON
     return module
 
@@ -407,7 +647,12 @@ def install(patch: Any = _Permanent, macos: tuple[int, ...] = DEFAULT_MACOS) -> 
     import coremltools.models.model as model
     import coremltools.models.utils as utils
 
+    global _predicts
     _macos = tuple(macos)
+    _rules.clear()
+    lifetime_violations.clear()
+    placements.clear()
+    _predicts = 0
     module = native_module()
     patch.setattr(sys, "platform", "darwin")
     for mod in (utils, model, compiled_model):
@@ -417,6 +662,17 @@ def install(patch: Any = _Permanent, macos: tuple[int, ...] = DEFAULT_MACOS) -> 
     for mod in (model, compiled_model, compute_plan):
         patch.setattr(mod, "_MLModelProxy", StandinModel)
     patch.setattr(compute_plan, "_MLComputePlanProxy", StandinComputePlan)
+    import coremltools.models.compute_device as compute_device
+
+    patch.setattr(compute_device, "_MLModelProxy", StandinModel)
+    patch.setattr(compute_device, "_MLCPUComputeDeviceProxy", StandinCPUDevice)
+    patch.setattr(compute_device, "_MLGPUComputeDeviceProxy", StandinGPUDevice)
+    patch.setattr(compute_device, "_MLNeuralEngineComputeDeviceProxy", StandinNeuralEngineDevice)
+    if os.environ.get(RULES_ENV):  # a worker process: the rules its test chose
+        import json
+
+        _rules.clear()
+        _rules.update(json.loads(os.environ[RULES_ENV]))
     patch.setattr(coremltools, "libcoremlpython", module, raising=False)
     patch.setitem(sys.modules, "coremltools.libcoremlpython", module)
 

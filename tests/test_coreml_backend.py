@@ -162,7 +162,10 @@ def test_reshape_hint_follows_the_decode_shape(tmp_path: Path, monkeypatch) -> N
 
     package = tmp_path / "p.mlpackage"
     save_package(prog, package)
-    program = mixed.load(package, sha256="cd" * 32)
+    # The backend that calls Core ML is the one inside the worker process; the proxy that
+    # `make_backend` gives passes the same units and hint to it.
+    assert (mixed.compute_units, mixed.reshape_frequency) == ("CPU_ONLY", "Frequent")
+    program = CoreMLBackend("CPU_ONLY", "Frequent").load(package, sha256="cd" * 32)
     assert seen == {"path": str(tmp_path / f"{'cd' * 32}.c"), "units": ct.ComputeUnit.CPU_ONLY,
                     "hints": {"reshapeFrequency": ct.ReshapeFrequency.Frequent}}
     assert program.input_names == ["scores"] and program.state_names == []
@@ -186,11 +189,15 @@ def test_program_casts_inputs_and_passes_state_only_when_stateful() -> None:
     model = FakeModel()
     stateless = CoreMLProgram(model, ["x"], ["y"], [])
     assert stateless.make_state() is None
-    x = np.ones((1, 4), dtype=np.float32)
+    x = np.full((1, 4), 1 / 3, dtype=np.float32)
     out = stateless.predict({"x": x})
     assert isinstance(out["y"], np.ndarray) and x.dtype == np.float32
     data, state = model.seen[-1]
-    assert data["x"].dtype == np.float16 and state == "absent"
+    # The fp16 values, in a float32 array of our own (coremltools swaps nothing) that the feed
+    # ring keeps alive past the call (the bridge's lifetime rule, coremltools #2827).
+    assert data["x"].dtype == np.float32 and state == "absent"
+    assert np.array_equal(data["x"], x.astype(np.float16).astype(np.float32))
+    assert data["x"] is not x and stateless.feeds.holds(data["x"])
 
     stateful = CoreMLProgram(model, ["x"], ["y"], ["layer_0_k"])
     assert stateful.make_state() == "state"

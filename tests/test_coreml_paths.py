@@ -47,14 +47,15 @@ def test_generate_on_core_ml_equals_the_fp16_interpreter(coreml_standin, coreml_
     assert got["text"] == want.text
 
 
-def test_daemon_two_slots_spill_restore_and_prefix_copy(coreml_standin, coreml_build) -> None:
+def test_daemon_two_slots_spill_restore_and_prefix_copy(coreml_standin, context_build) -> None:
     """Two resident K/V slots on Core ML, three conversations: spills, restores and a prefix
     copy all move states through MLState.read_state / write_state; every reply equals a fresh
-    session's on the same tokens."""
+    session's on the same tokens. On `context_build`, whose next tokens depend on the whole
+    context (test_coreml_worker shows it), so a slot holding the wrong K/V changes a reply."""
     from ane_spec.daemon.config import ServeConfig
     from ane_spec.daemon.server import BackgroundServer
 
-    out, _ = coreml_build
+    out = context_build
     _, pipeline = open_pipeline(out, "coreml", "fp32")
     config = ServeConfig(manifest=out, port=0, backend="coreml", log_level="warning",
                          access_log=False, kv_slots=2)

@@ -72,10 +72,13 @@ def test_compiled_once_into_the_cache(coreml_standin, shard, monkeypatch) -> Non
         return real(spec_path)
 
     monkeypatch.setattr(coreml_standin.StandinModel, "compileModel", staticmethod(counting))
-    backend = make_backend("coreml")
+    # The in-process backend: the one the Core ML worker process runs.
+    from ane_spec.runtime.coreml_backend import CoreMLBackend
+
+    backend = CoreMLBackend()
     backend.load(path, sha256=sha)
     backend.load(path, sha256=sha)
-    make_backend("coreml", decode_shape="mixed").load(path)  # hashes the package: same key
+    CoreMLBackend(reshape_frequency="Frequent").load(path)  # hashes the package: same key
     assert compiled == [str(path)]
 
 
@@ -87,8 +90,10 @@ def test_write_state_accepts_only_int32_float32_float64(coreml_standin, shard, d
     state = model.make_state()
     k = state.read_state("layer_0_k")
     assert k.dtype == np.float32
+    kept = []  # the bridge's lifetime rule: what it was given must outlive Core ML's hold
     for ok in (np.float32, np.float64, np.int32):
-        state.write_state("layer_0_k", k.astype(ok))
+        kept.append(k.astype(ok))
+        state.write_state("layer_0_k", kept[-1])
     with pytest.raises(RuntimeError, match="value type not convertible"):
         state.write_state("layer_0_k", k.astype(dtype))
 
@@ -121,7 +126,8 @@ def test_predict_upcasts_fp16_in_python_and_checks_features(coreml_standin, shar
     to_float32); Core ML then checks names, ranks and the RangeDim bounds."""
     model = compiled_model(shard[0])
     state = model.make_state()
-    out = model.predict(feed(), state)
+    kept = {k: v.astype(np.float32) for k, v in feed().items()}
+    out = model.predict(kept, state)
     assert out["hidden"].dtype == np.float32 and out["hidden"].shape == (1, 192, 4, 1)
     bad_dtype = {k: v.astype(np.int64) if k == "x" else v for k, v in feed().items()}
     with pytest.raises(RuntimeError, match="value type not convertible"):
@@ -134,8 +140,17 @@ def test_predict_upcasts_fp16_in_python_and_checks_features(coreml_standin, shar
         model.predict(feed(t=5), state)
     with pytest.raises(RuntimeError, match="does not match the shape"):  # rank
         model.predict(feed() | {"x": np.zeros((192, 4, 1), np.float32)}, state)
-    with pytest.raises(RuntimeError, match="needs a state"):
-        model.predict(feed())
+    # coremltools #2519's text: Core ML's own error, through Utils::handleError.
+    with pytest.raises(RuntimeError, match=r'^\{\n    NSLocalizedDescription = "The input '
+                       r'feature for layer_0_\w must be an MLState, but it was not\.";\n\}$'):
+        model.predict(kept)
+    assert coreml_standin.lifetime_violations == []
+    # fp16 inputs: coremltools swaps them for float32 temporaries that die when predict
+    # returns, while Core ML still holds them (coremltools PR #2827): the next call fails.
+    model.predict(feed(), state)
+    assert coreml_standin.lifetime_violations
+    with pytest.raises(RuntimeError, match="freed .* after the call returned.*#2827"):
+        model.predict(kept, state)
 
 
 def test_coremltools_python_checks_still_run(coreml_standin, shard) -> None:
@@ -206,8 +221,13 @@ def test_a_float16_write_state_fails_through_the_standin(coreml_standin, coreml_
     from ane_spec.probes.gates import open_pipeline
     from ane_spec.probes.row_invariance import run_row_invariance
 
+    from ane_spec.manifests.store import load_manifest
+    from ane_spec.runtime.coreml_backend import CoreMLBackend
+    from ane_spec.runtime.pipeline import ShardPipeline
+
     out, _ = coreml_build
-    _, pipeline = open_pipeline(out, "coreml", "fp32")
+    # In this process, so the old write_state can be put back (the worker runs the same code).
+    pipeline = ShardPipeline(load_manifest(out), CoreMLBackend())
     assert run_row_invariance(pipeline, prefix_lengths=(5,), end_of_context=False).passed
     monkeypatch.setattr(CoreMLProgram, "write_state", float16_write_state)
     with pytest.raises(RuntimeError, match="value type not convertible"):
@@ -271,8 +291,10 @@ def test_every_value_crossing_into_core_ml_is_one_the_bridge_accepts(coreml_stan
     whole-state copy for write_state; an unknown state name is our error, not Core ML's."""
     from ane_spec.errors import AneSpecError
 
+    from ane_spec.runtime.coreml_backend import CoreMLBackend
+
     path, sha = shard
-    program = make_backend("coreml").load(path, sha256=sha)
+    program = CoreMLBackend().load(path, sha256=sha)  # what runs in the worker process
     state = program.make_state()
     hostile = {}
     for name, value in feed().items():
@@ -284,10 +306,18 @@ def test_every_value_crossing_into_core_ml_is_one_the_bridge_accepts(coreml_stan
     with pytest.raises(RuntimeError):  # straight to the bridge, this is refused
         program.model.predict(dict(hostile), state)
     np.testing.assert_array_equal(program.predict(hostile, state)["hidden"],
-                                  make_backend("coreml").load(path, sha256=sha).predict(
+                                  CoreMLBackend().load(path, sha256=sha).predict(
                                       feed(), program.make_state())["hidden"])
+    # Every write lands (read back, value for value): the state held K/V from the passes above,
+    # so a write_state that did nothing would leave them there and fail here.
+    assert np.any(program.read_state(state, "layer_0_k") != 0)
     zeros = np.broadcast_to(np.float16(0), (1, 2, 64, 32))  # read-only, zero strides
     program.write_state(state, "layer_0_k", zeros)
-    program.write_state(state, "layer_0_v", np.flip(program.read_state(state, "layer_0_v"), 2))
+    np.testing.assert_array_equal(program.read_state(state, "layer_0_k"), 0)
+    v = program.read_state(state, "layer_0_v")
+    assert not np.array_equal(np.flip(v, 2), v)
+    program.write_state(state, "layer_0_v", np.flip(v, 2))
+    np.testing.assert_array_equal(program.read_state(state, "layer_0_v"), np.flip(v, 2))
     with pytest.raises(AneSpecError, match="no state 'layer_7_k'"):
         program.write_state(state, "layer_7_k", zeros)
+    assert coreml_standin.lifetime_violations == []  # every array it gave stayed alive

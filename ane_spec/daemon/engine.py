@@ -36,7 +36,9 @@ from ane_spec.errors import AneSpecError
 from ane_spec.manifests.store import record_drift
 from ane_spec.probes.drift import measure_drift
 from ane_spec.probes.gates import open_pipeline
+from ane_spec.runtime.coreml_worker import CoreMLFailure
 from ane_spec.runtime.pipeline import ShardPipeline
+from ane_spec.worker_process import WorkerDied
 
 from ane_spec.daemon.config import ServeConfig
 from ane_spec.daemon.draft_scopes import DraftMemories
@@ -156,6 +158,8 @@ class Engine:
         self.spill_bytes = (self.budget.spill_bytes if config.slot_spill_mb is None
                             else config.slot_spill_mb << 20)
         self.slots: SlotManager | None = None
+        self.recoveries = 0
+        self.last_recovery: dict[str, Any] | None = None
         self.memories = DraftMemories(config.draft_memory_mode, config.draft_memory_tokens,
                                       config.ngram_max)
         self.grammars = GrammarCompiler(self.tokenizer)
@@ -248,6 +252,9 @@ class Engine:
     def health(self) -> dict[str, Any]:
         base = {"status": self.status, "model": self.model_id,
                 "backend": self.pipeline.backend.describe(), "context": self.context}
+        worker = self.worker_health()
+        if worker is not None:
+            base["worker"] = worker
         if self.status == "warming":
             return base | {"progress": self.warmup.to_dict()}
         if self.status == "error":
@@ -261,6 +268,14 @@ class Engine:
                        "guard_margin": self.session.guard_margin if self.session else None,
                        "fill_drafts": self.fill_drafts, "kv_slots": self.slot_health(),
                        "draft_memory": self.memories.stats()}
+
+    def worker_health(self) -> dict[str, Any] | None:
+        """The backend's worker process (Core ML): running, restarts, the last death and what
+        the engine did about it; None for an in-process backend."""
+        health = getattr(self.pipeline.backend, "health", None)
+        if health is None:
+            return None
+        return health() | {"recoveries": self.recoveries, "last_recovery": self.last_recovery}
 
     def running(self) -> dict[str, Any] | None:
         """The job the worker is on and for how long: a worker stuck on one shows here."""
@@ -302,6 +317,15 @@ class Engine:
     def _main(self) -> None:
         try:
             self._warm_up()
+        except WorkerDied as exc:  # reported through /health; the server stays up
+            log.error("warm-up failed: %s", exc)
+            self.error = (f"WorkerDied: {exc} at warm-up step '{self.warmup.step}'. A Core ML "
+                          "worker killed at a program's first prediction is how a failed ANE "
+                          "compile shows (coremltools #2758: the load 'succeeds', the first "
+                          "predict kills the process); try a smaller --max-shard-mb build or "
+                          "run `ane-spec doctor`")
+            self.status = "error"
+            return
         except Exception as exc:  # noqa: BLE001 - reported through /health, never raised
             log.exception("warm-up failed")
             self.error = f"{type(exc).__name__}: {exc}"
@@ -322,6 +346,8 @@ class Engine:
                 self._running = job
             try:
                 self._run(job)
+            except WorkerDied as exc:  # the request was told; the engine recovers
+                self._recover(exc)
             finally:
                 with self._cond:
                     self._running = None
@@ -345,6 +371,9 @@ class Engine:
         session.drafter.memory = memory if output_safe else None
         try:
             slot = slots.acquire(item.prompt, item.scope)
+        except WorkerDied as exc:  # moving K/V in or out of the worker: recovered by _main
+            job.post("error", (500, self._death_message(exc)))
+            raise
         except Exception as exc:  # noqa: BLE001 - one request must never take the worker down
             log.exception("choosing a KV slot failed")
             job.post("error", (500, f"internal error choosing a KV slot ({type(exc).__name__})"))
@@ -370,6 +399,14 @@ class Engine:
         try:
             result = session.generate(item.prompt, item.options, on_text,
                                       should_stop=job.cancelled.is_set)
+        except WorkerDied as exc:
+            job.post("error", (500, self._death_message(exc)))
+            raise
+        except CoreMLFailure as exc:  # Core ML's own error: the server's fault, not the client's
+            log.error("generation failed: %s", exc)
+            session.reset()
+            job.post("error", (500, str(exc)))
+            return
         except AneSpecError as exc:
             # The app validates requests before queueing them, so this is a rare corner; the
             # cache may hold a half-written prompt now, so forget it.
@@ -386,9 +423,47 @@ class Engine:
 
     # --- warm-up --------------------------------------------------------------------------
 
-    def _warm_up(self) -> None:
+    def _death_message(self, exc: WorkerDied) -> str:
+        return (f"{exc}; the request failed, the worker is being restarted with its programs "
+                f"and the KV slots that lived in it are dropped (see /health); retry it")
+
+    def _recover(self, exc: WorkerDied) -> None:
+        """The backend's worker died: restart it with its programs (through the warm-up's
+        steps, /health reporting them), give every resident KV slot a fresh state (their
+        K/V died with the worker; spilled copies live here and stay), then serve again."""
+        self.recoveries += 1
+        self.status = "warming"
+        self.warmup = Warmup(total=1, step=f"restarting after {exc.how}")
+        try:
+            self.pipeline.start()
+            state = self.pipeline.new_state()
+            steps = self._jit_steps(state)
+            self.warmup = Warmup(total=len(steps), step="restarting the worker")
+            self._run_steps(steps)
+            dropped = self.slots.drop_resident(self.pipeline) if self.slots else 0
+            if self.session is not None:
+                self.session.reset()
+                self.session.state = self.slots.resident[0].state if self.slots else state
+        except Exception as again:  # noqa: BLE001 - reported through /health, never raised
+            log.exception("restarting the worker failed")
+            self.last_recovery = {"cause": str(exc), "ok": False,
+                                  "error": f"{type(again).__name__}: {again}"}
+            self.error = (f"{exc}; restarting the worker failed: {type(again).__name__}: "
+                          f"{again}")
+            self.status = "error"
+            return
+        self.warmup.step = "done"
+        self.warmup.finished = time.perf_counter()
+        self.last_recovery = {"cause": str(exc), "ok": True, "kv_slots_dropped": dropped,
+                              "seconds": round(self.warmup.seconds, 3)}
+        log.warning("recovered from %s: worker restarted, %d KV slot conversation%s dropped",
+                    exc, dropped, "" if dropped == 1 else "s")
+        self.status = "ready"
+
+    def _jit_steps(self, state) -> list[tuple[str, Callable[[], Any]]]:  # noqa: ANN001
+        """One pass per shard and the head at every width the decode shape runs (Core ML
+        specialises a program per process and input shape on its first prediction)."""
         p = self.pipeline
-        state = p.new_state()
         steps: list[tuple[str, Callable[[], Any]]] = []
         n = len(p.shards)
         for t in p.shape.jit_widths:
@@ -396,14 +471,9 @@ class Engine:
                 steps.append((f"T={t} shard {k + 1}/{n}",
                               lambda t=t, k=k: self._warm_shard(t, k, state)))
             steps.append((f"T={t} head", lambda t=t: self._warm_head(t)))
-        if p.shape.needs_pass_costs:
-            steps.append(("draft cost policy (T=1 vs T=4 pass time)", self._measure_policy))
-        else:
-            self.fill_drafts = p.shape.fill_drafts(lambda: 1.0)
-        if p.shape.needs_drift and p.manifest.drift.get(p.drift_key) is None:
-            steps.append((f"drift for the exactness guard ({p.drift_key})", self._measure_drift))
-        self.warmup = Warmup(total=len(steps))
-        log.info("warming %s: %d steps", self.model_id, len(steps))
+        return steps
+
+    def _run_steps(self, steps: list[tuple[str, Callable[[], Any]]]) -> None:
         for name, step in steps:
             if self._stopping.is_set():
                 return
@@ -413,6 +483,37 @@ class Engine:
             self.warmup.done += 1
             log.info("warm-up %d/%d: %s (%.2fs)", self.warmup.done, self.warmup.total, name,
                      time.perf_counter() - t0)
+
+    def _warm_up(self) -> None:
+        p = self.pipeline
+        steps: list[tuple[str, Callable[[], Any]]] = []
+        if hasattr(p.backend, "start"):  # Core ML: load every program in the worker process
+            steps.append((f"loading {len(p.shards) + 1} programs ({p.backend.describe()})",
+                          p.start))
+        state_box: list[Any] = []
+
+        def state() -> Any:
+            if not state_box:
+                state_box.append(p.new_state())
+            return state_box[0]
+
+        n = len(p.shards)
+        for t in p.shape.jit_widths:
+            for k in range(n):
+                steps.append((f"T={t} shard {k + 1}/{n}",
+                              lambda t=t, k=k: self._warm_shard(t, k, state())))
+            steps.append((f"T={t} head", lambda t=t: self._warm_head(t)))
+        if p.shape.needs_pass_costs:
+            steps.append(("draft cost policy (T=1 vs T=4 pass time)", self._measure_policy))
+        else:
+            self.fill_drafts = p.shape.fill_drafts(lambda: 1.0)
+        if p.shape.needs_drift and p.manifest.drift.get(p.drift_key) is None:
+            steps.append((f"drift for the exactness guard ({p.drift_key})", self._measure_drift))
+        self.warmup = Warmup(total=len(steps))
+        log.info("warming %s: %d steps", self.model_id, len(steps))
+        self._run_steps(steps)
+        if self._stopping.is_set():
+            return
         self.session = DecodeSession(
             p, drafter=NgramDrafter(ngram_min=self.config.ngram_min,
                                         ngram_max=self.config.ngram_max),
@@ -439,6 +540,12 @@ class Engine:
                 result = slots.restore(item.slot_id, where, item.filename or "")
             else:
                 result = slots.erase(item.slot_id)
+        except WorkerDied as exc:
+            job.post("error", (500, self._death_message(exc)))
+            raise
+        except CoreMLFailure as exc:
+            job.post("error", (500, str(exc)))
+            return
         except AneSpecError as exc:  # a bad id or name, a refused file: the client's to fix
             status = (404 if isinstance(exc, SlotNotFound)
                       else 409 if isinstance(exc, SlotQuotaError) else 400)
@@ -483,8 +590,10 @@ def load_pipeline(config: ServeConfig) -> ShardPipeline:
     AneSpecError with a readable message when that fails."""
     log.info("loading %s (%s%s)", config.manifest, config.backend,
              f", {config.precision}" if config.backend == "mil" else "")
+    # Core ML's programs load in its worker process during the warm-up, with /health answering.
     return open_pipeline(config.manifest, config.backend, config.precision,
-                         verify=config.verify, decode_shape=config.decode_shape)[1]
+                         verify=config.verify, decode_shape=config.decode_shape,
+                         defer_start=True)[1]
 
 
 def load_engine(config: ServeConfig, metrics: Metrics | None = None) -> Engine:

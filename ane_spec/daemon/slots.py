@@ -152,6 +152,21 @@ class SlotManager:
         slot.running_since = None
         self._publish()
 
+    def drop_resident(self, pipeline: ShardPipeline) -> int:
+        """The backend lost every state (its worker process died): each resident slot gets a
+        fresh state and forgets its conversation; spilled copies live in host memory and stay.
+        Returns how many conversations were dropped."""
+        dropped = 0
+        for slot in self.resident:
+            dropped += bool(slot.tokens)
+            slot.state = pipeline.new_state()
+            slot.tokens, slot.prompt_len, slot.scope = [], 0, None
+            slot.running_since, slot.running_prompt = None, 0
+        for _ in range(dropped):
+            self.record("drop")
+        self._publish()
+        return dropped
+
     # --- /slots actions ----------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from ane_spec.probes.report import GateReport
 from ane_spec.runtime.backend import BackendUnavailable, make_backend
 from ane_spec.runtime.decode_shape import DecodeShapePolicy, check_decode_shape
 from ane_spec.runtime.state_budget import ANE_PROCESS_BYTES, slot_budget
+from ane_spec.worker_process import WorkerDied
 
 Status = Literal["passed", "failed", "skipped"]
 WARM_REPEATS = 5
@@ -184,17 +185,21 @@ def check_environment(run: DoctorRun) -> Verdict:
 
 @core_ml_check
 def check_neural_engine(run: DoctorRun) -> Verdict:
-    run.need_hardware()
+    run.need_coreml()
     from coremltools.models.compute_device import MLComputeDevice, MLNeuralEngineComputeDevice
+
+    from ane_spec.runtime.coreml_backend import hardware_problem
 
     devices = MLComputeDevice.get_all_compute_devices()
     engines = [d for d in devices if isinstance(d, MLNeuralEngineComputeDevice)]
     names = [type(d).__name__ for d in devices]
+    # Under a stand-in for Core ML's native layer the list is the stand-in's: say so.
+    note = f" (device list from a stand-in: {hardware_problem()})" if hardware_problem() else ""
     if not engines:
-        return Verdict("failed", f"no Neural Engine among {names}",
+        return Verdict("failed", f"no Neural Engine among {names}{note}",
                      {"devices": names})
     cores = engines[0].total_core_count
-    return Verdict("passed", f"Neural Engine with {cores} cores",
+    return Verdict("passed", f"Neural Engine with {cores} cores{note}",
                  {"devices": names, "ane_cores": cores})
 
 
@@ -546,6 +551,9 @@ def run_one(check: CheckFn, run: DoctorRun) -> Verdict:
         verdict = Verdict("skipped", str(why))
     except BackendUnavailable as exc:
         verdict = Verdict("skipped", str(exc))
+    except WorkerDied as exc:  # a pipeline's Core ML worker died under the check
+        verdict = Verdict("failed", f"crashed: {exc}", dict(exc.details) | {
+            "worker": exc.worker, "during": exc.during})
     except Exception as exc:  # one broken check must not hide the others' results
         verdict = Verdict("failed", f"error: {type(exc).__name__}: {exc}".splitlines()[0])
     caused = shape_switches() - switches

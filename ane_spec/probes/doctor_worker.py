@@ -1,22 +1,27 @@
-"""The doctor's Core ML checks, run in a child process that a native crash cannot take down with
+"""The doctor's Core ML checks, run in a worker process that a native crash cannot take down with
 the report.
 
 A libc++ abort or a segfault inside Core ML kills the process it happens in; Python cannot catch
-it. So the doctor runs its Core ML checks in one worker process, started with `spawn` (never
-`fork`: Core ML and the Objective-C runtime are not fork-safe), one check per request, in the
-doctor's order. If the worker dies during a check, that check reads `crashed: signal N during
-<check>` and the next Core ML check starts a fresh worker. One worker for all checks, rather
-than one per check, because loading a Phi-size build and specialising it costs minutes, and the
-checks after `cold-jit` rely on the build being loaded and warm, as it is in `serve`.
+it. So the doctor runs its Core ML checks (compute plans, device lists, and the pipelines whose
+own Core ML worker it starts) in one worker process, through the package's one mechanism for
+native code (`ane_spec.worker_process`: spawn, never fork; a death noticed and reported; a fresh
+worker on the next call), one check per call, in the doctor's order. If the worker dies during
+a check, that check reads `crashed: signal N during <check>` and the next Core ML check starts a
+fresh worker. A Core ML worker that dies under a check's pipeline reads the same way. One worker
+for all checks, rather than one per check, because loading a Phi-size build and specialising it
+costs minutes, and the checks after `cold-jit` rely on the build being loaded and warm, as it is
+in `serve`.
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import signal
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ane_spec.worker_process import Channel, WorkerDied, WorkerProcess
+
 
 @dataclass(frozen=True)
 class WorkerSpec:
@@ -28,79 +33,51 @@ class WorkerSpec:
     work: str
 
 
-def _serve(conn: Any, spec: WorkerSpec, checks: list) -> None:
-    """Child side: answer ("run", i) with ("done", i, verdict fields); ("stop",) ends it."""
-    from ane_spec.manifests.store import load_manifest
-    from ane_spec.probes.doctor import DoctorRun, run_one
+class _Checks:
+    """Child side: the doctor's run, rebuilt once per worker; `run(i)` runs check i."""
 
-    # The parent verified the build's hashes once; the child only reads it.
-    build = None if spec.manifest is None else load_manifest(spec.manifest, verify=False)
-    run = DoctorRun(build, Path(spec.work), spec.decode_shape, spec.gguf,
-                    lambda msg: conn.send(("progress", msg)))
-    while True:
-        request = conn.recv()
-        if request[0] == "stop":
-            return
-        index = request[1]
-        verdict = run_one(checks[index][1], run)
-        conn.send(("done", index, vars(verdict)))
+    def __init__(self, channel: Channel, spec: WorkerSpec, checks: list):
+        from ane_spec.manifests.store import load_manifest
+        from ane_spec.probes.doctor import DoctorRun
+
+        # The parent verified the build's hashes once; the child only reads it.
+        build = None if spec.manifest is None else load_manifest(spec.manifest, verify=False)
+        self.checks = checks
+        self.run_state = DoctorRun(build, Path(spec.work), spec.decode_shape, spec.gguf,
+                                   channel.progress)
+
+    def run(self, index: int) -> dict[str, Any]:
+        from ane_spec.probes.doctor import run_one
+
+        return vars(run_one(self.checks[index][1], self.run_state))
+
+
+def _make(spec: WorkerSpec, checks: list, channel: Channel) -> _Checks:
+    return _Checks(channel, spec, checks)
+
+
+def crashed(name: str, exc: WorkerDied) -> dict[str, Any]:
+    """The verdict fields of a check during which a worker process died."""
+    how = f"signal {exc.details['signal']}" if "signal" in exc.details else exc.how
+    return {"status": "failed", "summary": f"crashed: {how} during {name}",
+            "details": dict(exc.details) | {"worker": exc.worker, "during": exc.during}}
 
 
 class CheckWorker:
-    """Parent side: runs checks by index in a child process, restarting it after a crash."""
+    """Parent side: runs checks by index in a worker process, restarting it after a crash."""
 
-    def __init__(self, spec: WorkerSpec, checks: list, progress) -> None:
-        self.spec, self.checks, self.progress = spec, checks, progress
-        self._proc: Any = None
-        self._conn: Any = None
+    def __init__(self, spec: WorkerSpec, checks: list, progress) -> None:  # noqa: ANN001
+        self.checks = checks
+        self.worker = WorkerProcess("doctor worker", functools.partial(_make, spec, checks),
+                                    progress=progress)
 
     def run(self, index: int) -> dict[str, Any]:
         """The verdict fields of check `index`, or a failed verdict naming how the child died."""
-        if self._proc is None:
-            self._start()
+        name = self.checks[index][0]
         try:
-            self._conn.send(("run", index))
-            while True:
-                message = self._conn.recv()
-                if message[0] == "progress":
-                    self.progress(message[1])
-                elif message[0] == "done" and message[1] == index:
-                    return message[2]
-        except (EOFError, OSError, BrokenPipeError):
-            return self._crashed(self.checks[index][0])
-
-    def _start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(target=_serve, args=(child, self.spec, self.checks),
-                                 name="ane-spec-doctor-worker", daemon=True)
-        self._proc.start()
-        child.close()
-
-    def _crashed(self, name: str) -> dict[str, Any]:
-        self._proc.join(timeout=30)
-        code = self._proc.exitcode
-        self._proc, self._conn = None, None
-        if code is not None and code < 0:
-            try:
-                label = signal.Signals(-code).name
-            except ValueError:
-                label = "unknown"
-            how, details = f"signal {-code}", {"signal": -code, "signal_name": label}
-        else:
-            how, details = f"exit code {code}", {"exit_code": code}
-        return {"status": "failed", "summary": f"crashed: {how} during {name}",
-                "details": details}
+            return self.worker.call("run", index, during=name)
+        except WorkerDied as exc:
+            return crashed(name, exc)
 
     def close(self) -> None:
-        if self._proc is None:
-            return
-        try:
-            self._conn.send(("stop",))
-        except (OSError, BrokenPipeError):
-            pass
-        self._proc.join(timeout=30)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join()
-        self._proc = None
+        self.worker.close()

@@ -25,13 +25,13 @@ GATES = ("row-invariance", "overflow", "parity", "block", "drift", "residency")
 
 
 def open_pipeline(manifest: str | os.PathLike[str], backend: BackendName, precision: Precision,
-                  *, verify: bool = True, decode_shape: DecodeShape = "fixed"
-                  ) -> tuple[LoadedManifest, ShardPipeline]:
+                  *, verify: bool = True, decode_shape: DecodeShape = "fixed",
+                  defer_start: bool = False) -> tuple[LoadedManifest, ShardPipeline]:
     loaded = load_manifest(manifest, verify=verify)
     # The decode shape picks Core ML's reshape hint as well as the pass width.
     return loaded, ShardPipeline(
         loaded, make_backend(backend, precision=precision, decode_shape=decode_shape),
-        decode_shape)
+        decode_shape, defer_start)
 
 
 def gate_parity(loaded: LoadedManifest, pipeline: ShardPipeline,

@@ -55,6 +55,13 @@ class Backend(Protocol):
         ...
 
 
+def start_backend(backend: Backend) -> None:
+    """Load what `backend` defers to its worker process (Core ML), now; nothing otherwise."""
+    start = getattr(backend, "start", None)
+    if start is not None:
+        start()
+
+
 def make_backend(name: BackendName, *, precision: Precision = "fp32",
                  compute_units: str = "CPU_AND_NE", decode_shape: DecodeShape = "fixed") -> Backend:
     shape = DecodeShapePolicy(decode_shape)
@@ -63,10 +70,12 @@ def make_backend(name: BackendName, *, precision: Precision = "fp32",
 
         return MILBackend(precision)
     if name == "coreml":
-        from ane_spec.runtime.coreml_backend import CoreMLBackend
+        # Core ML's calls hold the GIL and can kill the process: they run in a worker process,
+        # behind this proxy (runtime/coreml_worker.py).
+        from ane_spec.runtime.coreml_worker import CoreMLWorkerBackend
 
-        return CoreMLBackend(compute_units=compute_units,
-                             reshape_frequency=shape.reshape_frequency)
+        return CoreMLWorkerBackend(compute_units=compute_units,
+                                   reshape_frequency=shape.reshape_frequency)
     raise AneSpecError(f"unknown backend '{name}' (choose mil or coreml)")
 
 

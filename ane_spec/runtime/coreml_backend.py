@@ -9,7 +9,11 @@ models/utils.py `compile_model` and `_macos_version`, models/_compiled_model.py 
 
 from __future__ import annotations
 
+import math
 import sys
+import time
+from collections import deque
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +119,72 @@ def shape_switches() -> int:
     return _shape_switches
 
 
+def count_shape_switch(reshape_frequency: str, last: tuple | None,
+                       feed: dict[str, np.ndarray]) -> tuple:
+    """Count a switch when a program loaded with Infrequent gets new input shapes; returns the
+    shapes to compare the next call with (the Core ML worker's proxy counts in the parent)."""
+    global _shape_switches
+    shapes = tuple(sorted((k, tuple(v.shape)) for k, v in feed.items()))
+    if reshape_frequency == "Infrequent" and last is not None and shapes != last:
+        _shape_switches += 1
+    return shapes
+
+
+# The bridge's lifetime rule. coremltools 9.0 wraps every array given to `predict` without
+# copying it (PybindCompatibleArray, CoreMLPythonArray.mm: an MLMultiArray over the array's
+# buffer with `deallocator:nil`, the numpy array kept in a `py::array` member). Core ML can keep
+# that wrapper after `predict` returns: its MLE5 engine leaves the input ports bound and unbinds
+# them about a second later on its own queue (com.apple.coreml.MLE5ExecutionStream.resetQueue),
+# and the wrapper's destructor then does a Py_DECREF without the GIL. When that is the last
+# reference, the array is freed off-thread: heap corruption or a SIGSEGV, at once or during a
+# later, unrelated call. coremltools PRs #2827 and #2829 (both open) take the GIL there; #2827
+# names this project's old pattern exactly: fresh fp16 arrays in a dict that dies when the call
+# returns, swapped by `predict` for float32 temporaries that nobody but Core ML holds.
+#
+# So every array the bridge sees is one we made (float32, so coremltools swaps nothing), kept
+# referenced, untouched, for LINGER_SECONDS after the call. A ring of recent feeds rather than
+# persistent buffers reused every pass: #2827 also notes that Core ML keeps the buffer's raw
+# pointer bound for that same window, so writing the next pass's values into the same buffer
+# would race Core ML, and reusing one Python object every pass would have our thread change its
+# reference count while Core ML's queue may decrement it without the GIL. Fresh arrays that we
+# only drop after the window avoid both: the last reference is always ours, dropped with the
+# GIL. `write_state` values go into the ring too (`State::writeState` wraps them the same way,
+# with no autorelease pool of its own, so when Core ML lets go of them is not known).
+LINGER_SECONDS = 10.0  # ten times the ~1 s Core ML was seen to keep inputs (#2827)
+
+
+class FeedRing:
+    """Arrays handed to Core ML, each kept alive (and never written) for LINGER_SECONDS."""
+
+    def __init__(self, seconds: float = LINGER_SECONDS, clock=time.monotonic):  # noqa: ANN001
+        self.seconds, self.clock = seconds, clock
+        self._kept: deque[list] = deque()
+
+    @contextmanager
+    def lend(self, feed: dict[str, np.ndarray]):  # noqa: ANN201
+        """Hold `feed` during the native call and for `seconds` after it returns (or fails)."""
+        now = self.clock()
+        while self._kept and now - self._kept[0][0] > self.seconds:
+            self._kept.popleft()
+        entry = [math.inf, dict(feed)]  # not evicted while the call runs
+        self._kept.append(entry)
+        try:
+            yield
+        finally:
+            entry[0] = self.clock()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def holds(self, array: np.ndarray) -> bool:
+        return any(a is array for _, feed in self._kept for a in feed.values())
+
+
+# One ring for the process, not one per program: a program dropped right after a call (a probe's
+# throwaway load) must not take the arrays Core ML may still hold with it.
+FEEDS = FeedRing()
+
+
 class CoreMLProgram:
     def __init__(self, model: Any, input_names: list[str], output_names: list[str],
                  state_names: list[str], reshape_frequency: ReshapeFrequency = "Infrequent"):
@@ -123,31 +193,28 @@ class CoreMLProgram:
             input_names, output_names, state_names)
         self.reshape_frequency = reshape_frequency
         self._last_shapes: tuple | None = None
+        self.feeds = FEEDS
 
     def _count_shape(self, feed: dict[str, np.ndarray]) -> None:
-        global _shape_switches
-        shapes = tuple(sorted((k, v.shape) for k, v in feed.items()))
-        if (self.reshape_frequency == "Infrequent" and self._last_shapes is not None
-                and shapes != self._last_shapes):
-            _shape_switches += 1
-        self._last_shapes = shapes
+        self._last_shapes = count_shape_switch(self.reshape_frequency, self._last_shapes, feed)
 
     def make_state(self) -> Any:
         # CompiledMLModel.make_state() -> MLState, zero-filled (Apple: MLModel.makeState()).
         return self.model.make_state() if self.state_names else None
 
     def predict(self, inputs: dict[str, np.ndarray], state: Any = None) -> dict[str, np.ndarray]:
-        # A fresh dict: CompiledMLModel.predict upcasts fp16 arrays to fp32 in the dict it is
-        # given (MLModel._update_float16_multiarray_input_to_float32); Core ML then converts
-        # them to the fp16 the package declares, so values are exactly these fp16 ones.
-        feed = {k: np.ascontiguousarray(v, dtype=np.float16) for k, v in inputs.items()}
+        # Fresh float32 arrays of the fp16 values, kept alive by the feed ring (see
+        # FeedRing): coremltools' predict would otherwise swap fp16 arrays for float32
+        # temporaries (MLModel._update_float16_multiarray_input_to_float32) that only Core ML
+        # still holds once the call returns. Core ML converts them to the fp16 the package
+        # declares, so values are exactly the fp16 ones.
+        feed = {k: np.asarray(v, dtype=np.float16).astype(np.float32) for k, v in inputs.items()}
         self._count_shape(feed)
-        if not self.state_names:
-            out = self.model.predict(feed)
-        elif state is None:
+        if self.state_names and state is None:
             raise AneSpecError("this program is stateful: pass a state from make_state()")
-        else:
-            out = self.model.predict(feed, state=state)
+        with self.feeds.lend(feed):
+            out = (self.model.predict(feed) if not self.state_names
+                   else self.model.predict(feed, state=state))
         return {k: np.asarray(v) for k, v in out.items()}
 
     def read_state(self, state: Any, name: str) -> np.ndarray:
@@ -164,7 +231,9 @@ class CoreMLProgram:
         # and fp16 -> fp32 -> fp16 is exact.
         if name not in self.state_names:
             raise AneSpecError(f"no state '{name}' (have {', '.join(self.state_names)})")
-        state.write_state(name, np.array(value, dtype=np.float32, order="C", copy=True))
+        value = np.array(value, dtype=np.float32, order="C", copy=True)
+        with self.feeds.lend({name: value}):  # the bridge wraps it too (convertValueToObjC)
+            state.write_state(name, value)
 
 
 class CoreMLBackend:

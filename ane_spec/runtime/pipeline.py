@@ -21,7 +21,7 @@ from ane_spec.ane_limits import q8_block_refusal
 from ane_spec.errors import AneSpecError, ManifestError
 from ane_spec.manifests.schema import GRAPH_REVISION, OLDEST_RUNNABLE_GRAPH_REVISION
 from ane_spec.manifests.store import LoadedManifest
-from ane_spec.runtime.backend import Backend, LoadedProgram
+from ane_spec.runtime.backend import Backend, LoadedProgram, start_backend
 from ane_spec.runtime.decode_shape import DecodeShape, DecodeShapePolicy
 from ane_spec.runtime.fp16_argmax import NonFiniteLogits, argmax
 from ane_spec.runtime.host_inputs import HostInputs
@@ -153,6 +153,9 @@ class ShardPipeline:
     loaded: LoadedManifest
     backend: Backend
     decode_shape: DecodeShape = "fixed"
+    # Core ML loads its programs in a worker process: at once (the CLI, probes), or when the
+    # caller says (`start()`: the daemon, from its warm-up, so /health answers meanwhile).
+    defer_start: bool = False
     shards: list[LoadedProgram] = field(init=False)
     head: LoadedProgram = field(init=False)
     # Per-process measurements that layers above make once per loaded model (the decode
@@ -186,6 +189,12 @@ class ShardPipeline:
         self.shards = [self.backend.load(self.loaded.path(s.file), sha256=s.file.sha256)
                        for s in m.shards]
         self.head = self.backend.load(self.loaded.path(m.head.file), sha256=m.head.file.sha256)
+        if not self.defer_start:
+            self.start()
+
+    def start(self) -> None:
+        """Have the backend load every program now (Core ML: in its worker process)."""
+        start_backend(self.backend)
 
     @property
     def drift_key(self) -> str:
@@ -209,11 +218,18 @@ class ShardPipeline:
         return PipelineState([shard.make_state() for shard in self.shards])
 
     def copy_state(self, state: PipelineState) -> PipelineState:
-        """A new state holding the same K/V, value for value."""
+        """A new state holding the same K/V, value for value: read back after the write, so a
+        write that did not land fails here rather than making both sides of a probe equally
+        wrong (the probes compare runs that start from copies)."""
         copy = self.new_state()
-        for shard, src, dst in zip(self.shards, state.shard_states, copy.shard_states):
+        for k, (shard, src, dst) in enumerate(zip(self.shards, state.shard_states,
+                                                  copy.shard_states)):
             for name in shard.state_names:
-                shard.write_state(dst, name, shard.read_state(src, name))
+                value = shard.read_state(src, name)
+                shard.write_state(dst, name, value)
+                if not np.array_equal(shard.read_state(dst, name), value):
+                    raise AneSpecError(f"shard {k}: state '{name}' written with write_state "
+                                       "reads back different values: the write did not land")
         return copy
 
     # --- layout ---------------------------------------------------------------------------

@@ -1,0 +1,356 @@
+"""Core ML in its worker process (runtime/coreml_worker.py, worker_process.py), through the
+stand-in's round-3 rules (tests/coreml_standin.py): the GIL held for every native call, the
+input-lifetime rule, a silent compile failure that kills the first predict, a worker killed
+mid-generation, Core ML's own errors; and state writes proven to land."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from ane_spec.decode.session import DecodeSession, GenerateOptions
+from ane_spec.probes.gates import open_pipeline
+
+
+def serve(out, **overrides):  # noqa: ANN001, ANN201
+    from ane_spec.daemon.config import ServeConfig
+    from ane_spec.daemon.server import BackgroundServer
+
+    config = ServeConfig(manifest=out, port=0, backend="coreml", log_level="critical",
+                         access_log=False, **overrides)
+    return BackgroundServer(config).start()
+
+
+class HealthProbe:
+    """GET /health every 20 ms on a thread: each answer's seconds, per phase."""
+
+    def __init__(self, url: str):
+        self.url, self.worst, self.phase, self.count = url, {}, "start", {}
+        self.seconds: dict[str, list[float]] = {}
+        self.statuses: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=30) as client:
+            while not self._stop.is_set():
+                t0 = time.perf_counter()
+                body = client.get(f"{self.url}/health").json()
+                took = time.perf_counter() - t0
+                self.statuses.append(body["status"])
+                self.worst[self.phase] = max(self.worst.get(self.phase, 0.0), took)
+                self.count[self.phase] = self.count.get(self.phase, 0) + 1
+                self.seconds.setdefault(self.phase, []).append(took)
+                time.sleep(0.02)
+
+    def __enter__(self) -> HealthProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def wait_for(url: str, status: str, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        body = httpx.get(f"{url}/health").json()
+        if body["status"] == status:
+            return body
+        assert time.monotonic() < deadline, body
+        time.sleep(0.05)
+
+
+def greedy(out, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001
+    """Plain greedy decoding on the fp16 interpreter (the stand-in computes with it, bitwise)."""
+    _, mil = open_pipeline(out, "mil", "fp16")
+    return DecodeSession(mil).generate(prompt, GenerateOptions(max_tokens=n,
+                                                               speculative=False)).tokens
+
+
+# --- the GIL -----------------------------------------------------------------------------------
+
+def test_health_answers_while_core_ml_holds_the_gil(coreml_standin, coreml_build,
+                                                    monkeypatch) -> None:
+    """Every native predict holds the GIL for 2 s (a ctypes.PyDLL sleep). In this process that
+    freezes every other thread for the whole call; with Core ML in its worker, /health answers
+    within 50 ms during the load, the warm-up and a request's predictions."""
+    from ane_spec.manifests.store import load_manifest
+    from ane_spec.runtime.coreml_backend import CoreMLBackend
+
+    out, _ = coreml_build
+    # Today's in-process Core ML: a thread ticking every 10 ms sees a 2 s gap.
+    loaded = load_manifest(out)
+    program = CoreMLBackend().load(loaded.path(loaded.manifest.head.file))
+    coreml_standin.set_rules(gil_seconds=2.0)
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.01)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.05)
+    try:
+        program.predict({"x": np.zeros((1, loaded.manifest.model.hidden_size, 4, 1),
+                                       np.float16)})
+    finally:
+        stop.set()
+        ticker.join()
+    assert max(np.diff(ticks)) > 1.5  # the GIL was held through the native call
+
+    # The server: Core ML in its worker process, every native call holding the GIL for 2 s.
+    for key, value in coreml_standin.rules_env(gil_seconds=2.0).items():
+        monkeypatch.setenv(key, value)
+    # This test process holds torch, coremltools and every earlier test's objects: a full
+    # garbage collection here pauses every thread for ~0.3 s on this machine, whatever Core ML
+    # does. Freezing what exists keeps those pauses out of the figure.
+    gc.collect()
+    gc.freeze()
+    server = serve(out)
+    try:
+        with HealthProbe(server.url) as probe:
+            probe.phase = "warm-up"
+            wait_for(server.url, "ok")
+            probe.phase = "request"
+            t0 = time.perf_counter()
+            r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+                "prompt": [5, 6, 7], "max_tokens": 1, "temperature": 0})
+            took = time.perf_counter() - t0
+            probe.phase = "after"
+        assert r.status_code == 200, r.text
+    finally:
+        server.stop()
+        gc.unfreeze()
+    assert took > 3.5  # one pass = the shard's and the head's predictions, 2 s each
+    assert "loading" in probe.statuses and "ok" in probe.statuses
+    assert probe.count["warm-up"] >= 20 and probe.count["request"] >= 20, probe.count
+    # Within 50 ms (9 answers in 10; this 2-core machine is shared, and the worker's imports
+    # compete for it at start), and never near the 2 s the GIL is held in the worker.
+    for phase in ("warm-up", "request"):
+        assert np.percentile(probe.seconds[phase], 90) < 0.05, (phase, probe.seconds[phase])
+        assert probe.worst[phase] < 0.5, (phase, probe.worst)
+    print(f"/health during a 2 s GIL-holding predict: worst {probe.worst}, p90 "
+          f"{ {k: round(float(np.percentile(v, 90)), 4) for k, v in probe.seconds.items()} }")
+
+
+# --- a worker that dies ----------------------------------------------------------------------
+
+def test_a_worker_killed_mid_generation_fails_the_request_and_is_restarted(
+        coreml_standin, coreml_build, monkeypatch, tmp_path) -> None:
+    """SIGKILL at the 6th prediction of the worker (the warm-up makes 2; the prompt's second
+    pass is next): the request fails with an error naming the signal and the program; the
+    worker is restarted with its programs and the KV slots that lived in it are dropped, both
+    reported by /health; the server stays up and the next request's output equals greedy."""
+    out, _ = coreml_build
+    for key, value in coreml_standin.rules_env(
+            kill_at_predict=6, kill_once_file=str(tmp_path / "killed")).items():
+        monkeypatch.setenv(key, value)
+    prompt = list(range(20, 30))
+    server = serve(out)
+    try:
+        wait_for(server.url, "ok")
+        r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 500, r.text
+        message = r.json()["error"]["message"]
+        assert "the Core ML worker process died (signal 9 (SIGKILL)) during predict on" in message
+        assert ".mlpackage" in message and "restarted" in message and "KV slots" in message
+        health = wait_for(server.url, "ok")
+        worker = health["worker"]
+        assert worker["restarts"] == 1 and worker["running"], worker
+        assert worker["last_death"].startswith("signal 9 (SIGKILL) during predict on"), worker
+        assert worker["recoveries"] == 1 and worker["last_recovery"]["ok"], worker
+        assert worker["last_recovery"]["kv_slots_dropped"] == 1  # its half-written prompt
+        r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "ane_spec": {"speculative": True}})
+        assert r.status_code == 200, r.text
+        tokenize = httpx.post(f"{server.url}/tokenize", json={
+            "content": r.json()["choices"][0]["text"]}).json()["tokens"]
+        assert r.json()["usage"]["completion_tokens"] == 8
+    finally:
+        server.stop()
+    want = greedy(out, prompt, 8)
+    _, mil = open_pipeline(out, "mil", "fp16")
+    assert r.json()["choices"][0]["text"] == mil.tokenizer.decode(want)
+    assert tokenize  # the text is real tokens
+
+
+def test_a_silent_compile_failure_at_warm_up_leaves_the_server_answering(
+        coreml_standin, coreml_build, monkeypatch) -> None:
+    """coremltools #2758: the load "succeeds" and the first predict SIGKILLs the process. At
+    warm-up that is the worker, not the server: /health keeps answering, says what happened
+    and counts the death; requests get a 503 saying why."""
+    out, _ = coreml_build
+    for key, value in coreml_standin.rules_env(kill_at_first_predict="*").items():
+        monkeypatch.setenv(key, value)
+    server = serve(out)
+    try:
+        body = wait_for(server.url, "error")
+        assert "signal 9 (SIGKILL)" in body["error"] and "#2758" in body["error"], body
+        assert body["worker"]["deaths"] == 1 and "during predict on" in body["worker"][
+            "last_death"], body
+        t0 = time.perf_counter()
+        for _ in range(10):
+            assert httpx.get(f"{server.url}/health").status_code == 503
+        assert (time.perf_counter() - t0) / 10 < 0.05
+        r = httpx.post(f"{server.url}/v1/completions", timeout=10,
+                       json={"prompt": [1, 2], "max_tokens": 1})
+        assert r.status_code == 503 and "#2758" in r.json()["error"]["message"]
+    finally:
+        server.stop()
+
+
+def test_ane_inference_error_code_8_is_core_mls_error_naming_the_program(
+        coreml_standin, coreml_build, monkeypatch) -> None:
+    from ane_spec.runtime.coreml_worker import CoreMLFailure
+
+    out, _ = coreml_build
+    for key, value in coreml_standin.rules_env(code8_at_predict=2).items():
+        monkeypatch.setenv(key, value)
+    _, pipeline = open_pipeline(out, "coreml", "fp32")
+    with pytest.raises(CoreMLFailure, match=r"(?s)during predict on head.*Code=8"):
+        pipeline.run([1, 2, 3], 0, pipeline.new_state())
+    # The worker lives on: the next pass runs.
+    assert pipeline.run([1, 2, 3], 0, pipeline.new_state()).argmax.shape == (3,)
+
+
+# --- the lifetime rule -------------------------------------------------------------------------
+
+def old_predict(self, inputs, state=None):  # noqa: ANN001, ANN201
+    """CoreMLProgram.predict before issue 28: a fresh fp16 dict that dies with the call."""
+    feed = {k: np.ascontiguousarray(v, dtype=np.float16) for k, v in inputs.items()}
+    out = (self.model.predict(feed) if not self.state_names
+           else self.model.predict(feed, state=state))
+    return {k: np.asarray(v) for k, v in out.items()}
+
+
+def test_the_lifetime_rule_holds_over_200_passes(coreml_standin, coreml_build,
+                                                 monkeypatch) -> None:
+    """Every array given to Core ML outlives its hold (coremltools #2827): 200 passes through
+    the worker, then one more call, which would fail had any input died early. The code before
+    issue 28 fails the rule within its first pass."""
+    from ane_spec.manifests.store import load_manifest
+    from ane_spec.runtime.coreml_backend import CoreMLBackend, CoreMLProgram
+    from ane_spec.runtime.pipeline import ShardPipeline
+
+    out, _ = coreml_build
+    _, pipeline = open_pipeline(out, "coreml", "fp32")
+    passes = 0
+    while passes < 200:
+        state = pipeline.new_state()
+        for position in range(0, 60, 4):
+            pipeline.run([7, 8, 9, 10], position, state)
+            passes += 1
+    pipeline.run([1], 0, pipeline.new_state())  # the worker's stand-in raises on a violation
+
+    monkeypatch.setattr(CoreMLProgram, "predict", old_predict)
+    old = ShardPipeline(load_manifest(out), CoreMLBackend())
+    # The shard's fp16 inputs die as its predict returns; the head's call finds out.
+    with pytest.raises(RuntimeError, match="freed 0.0.* s after the call returned.*#2827"):
+        old.run([7, 8, 9, 10], 0, old.new_state())
+
+
+# --- other stand-in rules ------------------------------------------------------------------------
+
+def test_compute_plan_table_drives_residency_both_ways(coreml_standin, coreml_build) -> None:
+    from ane_spec.manifests.store import load_manifest
+    from ane_spec.probes.residency import residency_report
+
+    loaded = load_manifest(coreml_build[0])
+    shard = loaded.manifest.shards[0].file
+    package = loaded.path(shard)
+    coreml_standin.set_rules(plan_devices={"default": "NeuralEngine"})
+    assert residency_report(package, sha256=shard.sha256).passed
+    coreml_standin.set_rules(plan_devices={"default": "NeuralEngine",
+                                           "ops": {"select": "CPU"}})
+    report = residency_report(package, sha256=shard.sha256)
+    assert not report.passed and report.compute_non_ane > 0
+    assert {o["op"] for o in report.non_ane_ops} == {"select"}
+    assert {o["device"] for o in report.non_ane_ops} == {"MLCPUComputeDevice"}
+
+
+def test_frequent_rangedim_on_the_neural_engine_runs_off_it(coreml_standin, coreml_build) -> None:
+    """Apple's flexible-inputs guide: only Infrequent lets a flexible model use the Neural
+    Engine; coremltools #2600: a stateful RangeDim LLM under Frequent ran on the CPU."""
+    from ane_spec.manifests.store import load_manifest
+    from ane_spec.runtime.coreml_backend import CoreMLBackend
+
+    loaded = load_manifest(coreml_build[0])
+    package = loaded.path(loaded.manifest.shards[0].file)
+    for units, frequency, where in (("CPU_AND_NE", "Frequent", "not on the ANE"),
+                                    ("ALL", "Frequent", "not on the ANE"),
+                                    ("CPU_AND_NE", "Infrequent", "as planned"),
+                                    ("CPU_ONLY", "Frequent", "as planned")):
+        program = CoreMLBackend(units, frequency).load(package)
+        assert where in program.model._proxy.placement, (units, frequency)
+
+
+def test_flush_to_zero_mode(coreml_standin, coreml_build) -> None:
+    """`ftz`: an fp16 subnormal input reads as zero, as on a device that flushes them (the
+    interpreter keeps them: ane-platform-notes on rms_eps)."""
+    from ane_spec.manifests.store import load_manifest
+    from ane_spec.runtime.coreml_backend import CoreMLBackend
+
+    loaded = load_manifest(coreml_build[0])
+    head = CoreMLBackend().load(loaded.path(loaded.manifest.head.file))
+    d = loaded.manifest.model.hidden_size
+    tiny = np.zeros((1, d, 4, 1), np.float16)
+    tiny[0, :, 0, 0] = np.float16(3e-5)  # subnormal in fp16 (< 2**-14)
+    zero = np.zeros_like(tiny)
+    kept = [tiny, zero]
+    plain = head.predict({"x": tiny})
+    assert not all(np.array_equal(plain[k], head.predict({"x": zero})[k]) for k in plain)
+    coreml_standin.set_rules(ftz=True)
+    flushed = head.predict({"x": tiny})
+    assert all(np.array_equal(flushed[k], head.predict({"x": zero})[k]) for k in flushed)
+    assert kept
+
+
+# --- state writes that land ----------------------------------------------------------------------
+
+def test_the_slot_fixture_depends_on_its_context(context_build, coreml_build) -> None:
+    """Change every prompt token but the last: the next 4 tokens change for most prompts on
+    `context_build` (slot tests run on it); on `coreml_build` they never do (issue 28)."""
+    rng = np.random.default_rng(0)
+    changed = {}
+    for name, out in (("context", context_build), ("coreml", coreml_build[0])):
+        _, mil = open_pipeline(out, "mil", "fp16")
+        n = 0
+        for _ in range(8):
+            a, b = rng.integers(0, 1000, 30).tolist(), rng.integers(0, 1000, 30).tolist()
+            b[-1] = a[-1]
+            n += (DecodeSession(mil).generate(a, GenerateOptions(max_tokens=4)).tokens
+                  != DecodeSession(mil).generate(b, GenerateOptions(max_tokens=4)).tokens)
+        changed[name] = n
+    assert changed["context"] >= 6 and changed["coreml"] <= 2, changed
+
+
+def test_copy_state_lands_through_the_worker(coreml_standin, context_build) -> None:
+    """ShardPipeline.copy_state (read_state + write_state through the worker): the copy holds
+    the source's K/V value for value, and continuing from it gives the source's tokens."""
+    _, pipeline = open_pipeline(context_build, "coreml", "fp32")
+    session = DecodeSession(pipeline)
+    prompt = list(range(100, 130))
+    session.generate(prompt, GenerateOptions(max_tokens=1, speculative=False))
+    source = session.state
+    copy = pipeline.copy_state(source)
+    for shard, a, b in zip(pipeline.shards, source.shard_states, copy.shard_states):
+        for name in shard.state_names:
+            want = shard.read_state(a, name)
+            assert np.any(want != 0)
+            np.testing.assert_array_equal(shard.read_state(b, name), want)
+    tokens = session.kv_tokens
+    a = pipeline.run([tokens[-1]], len(tokens) - 1, copy).row_logits(0)
+    np.testing.assert_array_equal(a, pipeline.run([tokens[-1]], len(tokens) - 1,
+                                                  source).row_logits(0))
