@@ -243,3 +243,13 @@ def test_default_shard_budget_keeps_a_margin_under_the_measured_edge() -> None:
     ranges = plan_topology(c, "int8-channel", DEFAULT_MAX_SHARD_MB)
     largest = max(b - a for a, b in ranges) * layer_bytes(c, "int8-channel") / MIB
     assert largest <= 0.95 * 1921, (ranges, largest)
+
+
+def test_auto_weights_plan_shards_as_int8_per_channel() -> None:
+    """`auto` is costed at the form real tensors get, so its topology is int8-channel's: costed
+    at lut8's size, Qwen 3 4B's 36 layers became 17,17,2 (one more round trip per pass)."""
+    for name in ("phi4-mini", "qwen3-4b", "llama-3.2-3b"):
+        c = preset(name).to_config()
+        assert plan_topology(c, "auto", 1750) == plan_topology(c, "int8-channel", 1750), name
+    assert [b - a for a, b in plan_topology(preset("qwen3-4b").to_config(), "auto", 1750)] == [
+        18, 18]
