@@ -200,10 +200,9 @@ def test_a_silent_compile_failure_at_warm_up_leaves_the_server_answering(
         assert "signal 9 (SIGKILL)" in body["error"] and "#2758" in body["error"], body
         assert body["worker"]["deaths"] == 1 and "during predict on" in body["worker"][
             "last_death"], body
-        t0 = time.perf_counter()
+        # Answering is the proof (the dead worker holds nothing); how fast is the GIL test's.
         for _ in range(10):
-            assert httpx.get(f"{server.url}/health").status_code == 503
-        assert (time.perf_counter() - t0) / 10 < 0.05
+            assert httpx.get(f"{server.url}/health", timeout=5).status_code == 503
         r = httpx.post(f"{server.url}/v1/completions", timeout=10,
                        json={"prompt": [1, 2], "max_tokens": 1})
         assert r.status_code == 503 and "#2758" in r.json()["error"]["message"]
