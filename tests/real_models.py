@@ -38,3 +38,27 @@ def smollm2_gguf() -> Path:
 def qwen_coder_gguf() -> Path:
     """Qwen2.5-Coder-0.5B-Instruct Q4_K_M (qwen2: Q5_0, Q4_K, Q6_K, Q8_0), 491 MB."""
     return _pulled("qwen2.5-coder-0.5b-instruct")
+
+
+# One build of each real model per session, with the default settings (auto topology and
+# weight formats), shared by every suite that runs them. 1024 slots: room for a tool-calling
+# agent's system prompt; the interpreter's cost per pass is the weights', not the slots'.
+REAL_MAX_SEQ = 1024
+
+
+def _built(gguf: Path, factory: pytest.TempPathFactory, name: str) -> Path:
+    from ane_spec.shards.build import BuildRequest, build
+
+    out = factory.mktemp(name) / "art"
+    build(gguf, out, BuildRequest(max_seq=REAL_MAX_SEQ))
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_build(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _built(smollm2_gguf, tmp_path_factory, "smollm2")
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_build(qwen_coder_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _built(qwen_coder_gguf, tmp_path_factory, "qwen-coder")

@@ -4,12 +4,8 @@ Agents SDK's default run (the Responses API). None of them sends `tool_choice`, 
 here is made under `auto`, in whatever form the model writes it.
 
 Two servers: a small synthetic Qwen 3 whose reply a constructed grammar fixes to a fenced call
-(the form the real Qwen2.5-Coder favours: always runs), and the real Qwen2.5-Coder-0.5B-Instruct
-asked about the weather, when its Q4_K_M file can be read and built (skipped, saying why, while
-the GGUF reader does not take its quantizations).
-
-The Agents SDK (`openai-agents`) is not in the `test` extra: it needs `mcp`, which brings
-compiled `cryptography`/`cffi` wheels. Its test is skipped when it is not installed.
+(the form the real Qwen2.5-Coder favours), and the real Qwen2.5-Coder-0.5B-Instruct Q4_K_M
+(tests/real_models.py's shared build) asked about the weather.
 """
 
 from __future__ import annotations
@@ -39,26 +35,17 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     from ane_spec.shards.build import BuildRequest, build
     from tests.live_server import started
 
-    root = tmp_path_factory.mktemp("tool-clients")
     if request.param == "synthetic":
+        root = tmp_path_factory.mktemp("tool-clients")
         from ane_spec.model.synthetic import write_synthetic_gguf
         from tests.test_architectures import spec
 
         gguf = write_synthetic_gguf(root / "qwen3.gguf", spec("qwen3", seed=11, num_layers=2))
         build(gguf, root / "m", BuildRequest(topology="2", max_seq=768))
+        model = root / "m"
     else:
-        from ane_spec.errors import GGUFError
-        from ane_spec.model.gguf_file import open_gguf
-
-        gguf = request.getfixturevalue("qwen_coder_gguf")
-        try:
-            open_gguf(gguf)
-        except GGUFError as exc:
-            if "supported types are" not in str(exc):
-                raise
-            pytest.skip(f"the real model cannot be read yet: {exc}")
-        build(gguf, root / "m", BuildRequest(max_seq=2048))
-    srv = started(ServeConfig(manifest=root / "m", port=0, backend="mil", precision="fp16",
+        model = request.getfixturevalue("qwen_coder_build")
+    srv = started(ServeConfig(manifest=model, port=0, backend="mil", precision="fp16",
                               log_level="warning", access_log=False))
     srv.kind = request.param
     yield srv
@@ -81,7 +68,7 @@ def _is_weather_call(name: str, args: dict) -> bool:
 
 
 def test_langchain_bind_tools(fenced_on_synthetic) -> None:
-    langchain_ollama = pytest.importorskip("langchain_ollama")
+    import langchain_ollama
     llm = langchain_ollama.ChatOllama(base_url=fenced_on_synthetic.url, model="m",
                                       num_predict=120, temperature=0)
     message = llm.bind_tools([get_weather]).invoke(QUESTION)
@@ -110,7 +97,7 @@ def test_ollama_client_tools(fenced_on_synthetic) -> None:
 def test_openai_agents_default_run(fenced_on_synthetic) -> None:
     """The Agents SDK's default model is the Responses API; its run calls the tool, then asks
     the model again with the result (which may call again: max_turns ends it)."""
-    agents = pytest.importorskip("agents")
+    import agents
     import openai
 
     agents.set_tracing_disabled(True)
