@@ -134,7 +134,8 @@ def cmd_build(args: argparse.Namespace) -> int:
     request = BuildRequest(topology=args.topology, max_seq=args.max_seq, weights=args.weights,
                            layout=args.layout, head_chunks=args.head_chunks,
                            head_argmax=args.head_argmax, max_shard_mb=args.max_shard_mb,
-                           min_weight_cosine=args.min_weight_cosine)
+                           min_weight_cosine=args.min_weight_cosine,
+                           force_ane_limits=args.force_ane_limits)
     result = build(_model_path(args.gguf), args.out, request, force=args.force,
                    progress=lambda msg: tqdm.write(f"[build] {msg}", file=sys.stderr))
     for line in result.summary:
@@ -543,7 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topology", help="layers per shard (20,4,6,2) or ranges (0:20,20:32); "
                                       "default: fewest shards under --max-shard-mb")
     p.add_argument("--max-seq", type=int, default=2048,
-                   help="context window S (KV slots); a multiple of 32")
+                   help="context window S (KV slots); a multiple of 32, at most 16,384 (the "
+                        "ANE's width; --force-ane-limits to go over)")
     p.add_argument("--weights", choices=["auto", "int8-channel", "q8-block", "fp16"],
                    default="auto",
                    help="auto (default): per tensor, int8 per channel where its cosine against "
@@ -563,6 +565,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "format that reaches it; a forced format below it fails")
     p.add_argument("--force", action="store_true",
                    help="replace an existing output folder (unchanged shards are reused)")
+    p.add_argument("--force-ane-limits", action="store_true",
+                   help="build what the Neural Engine's known limits refuse (e.g. --max-seq over "
+                        "16,384); the build says each limit it overrides")
     p.set_defaults(handler=cmd_build)
 
     p = sub.add_parser("generate", help="generate text with a built model (speculative by default)")
