@@ -46,6 +46,17 @@ ANE_COMPUTE_UNITS = ("CPU_AND_NE", "ALL")
 ARGMAX_NOTE = ("reduce_argmax over a vocabulary chunk (at most 16,384 wide) with an int32 output "
                "may run on the CPU (not measured; `ane-spec doctor` reports where it lands)")
 
+# --decode-shape mixed changes T every pass, so it loads every package with reshapeFrequency
+# Frequent. Apple's flexible-input guide: only Infrequent lets a flexible-shape model run on the
+# Neural Engine; coremltools #2600 shows a stateful RangeDim LLM running wholly on the CPU.
+# MLComputePlan in coremltools 9.0 takes no hints, so only a measurement says where it runs
+# (the doctor's decode-shape check).
+MIXED_SHAPE_SOURCE = ("Apple's flexible-input guide: only reshapeFrequency Infrequent lets "
+                      "flexible shapes run on the Neural Engine; coremltools #2600: a stateful "
+                      "RangeDim LLM ran wholly on the CPU")
+MIXED_SHAPE_NOTE = ("--decode-shape mixed loads with reshapeFrequency Frequent and is expected "
+                    f"to run off the ANE ({MIXED_SHAPE_SOURCE})")
+
 # Host memory at or below which the doctor's ane-vs-cpu check (a second, CPU_ONLY copy of the
 # whole build) may push a Phi-size build into swap.
 SMALL_MAC_BYTES = 16 * 10**9

@@ -228,7 +228,11 @@ def _add_backend_args(p: argparse.ArgumentParser, *, decode_shape: bool = True) 
                         "greedy bitwise on a row-invariant backend; mixed: T=1 decode + T=4 "
                         "verify, cheaper where T=1 is much faster, exact only up to rounding. "
                         "Residency (MLComputePlan) is proven at T=4, the inputs' default "
-                        "shape, only: with mixed, T=1 residency is unproven")
+                        "shape, only. mixed loads with reshapeFrequency Frequent and is "
+                        "expected OFF the ANE (Apple's flexible-input guide: only Infrequent "
+                        "runs flexible shapes on the Neural Engine; coremltools #2600 ran a "
+                        "stateful RangeDim LLM wholly on the CPU); `doctor --decode-shape "
+                        "mixed` measures where it runs")
 
 
 # --- decoding ---------------------------------------------------------------------------------
@@ -641,7 +645,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gguf", help="source GGUF for the parity check (default: the manifest's)")
     p.add_argument("--decode-shape", choices=DECODE_SHAPES, default="fixed",
                    help="the decode shape to check (sets Core ML's reshape hint); residency is "
-                        "planned at T=4 only, so with mixed, T=1 residency is unproven")
+                        "planned at T=4 only, so with mixed, T=1 residency is unproven; mixed "
+                        "loads with reshapeFrequency Frequent, expected off the ANE (Apple's "
+                        "flexible-input guide; coremltools #2600): the decode-shape check "
+                        "measures where it runs")
     p.add_argument("--json", action="store_true", help="print one JSON object with a checks list")
     p.add_argument("--out", help="also write a short Markdown report to this file, and JSON "
                    "beside it (.json); both are rewritten after every check")

@@ -464,6 +464,31 @@ def _build_head(model: GGUFModel, r: BuildRequest, tmp: Path, rel: str, fp: str)
                      outputs=outputs, quant=quant, fingerprint=fp)
 
 
+def build_logits_head(gguf_path: str | os.PathLike[str], manifest: Manifest,
+                      folder: Path) -> tuple[Path, list[tuple[int, int]]]:
+    """A logits head (no argmax) for `manifest`'s model from its source GGUF, with the build's
+    weight format, layout, weight floor and vocabulary chunks, so each chunk's weights are the
+    ones its --head-argmax head converted (auto picks a format per chunk, deterministically).
+    The doctor's argmax-head check runs both on the same hidden states. Returns (package,
+    chunks)."""
+    model = open_gguf(gguf_path)
+    b = manifest.build
+    if (model.config.vocab_size, model.config.hidden_size) != (
+            manifest.model.vocab_size, manifest.model.hidden_size):
+        raise BuildError(f"{gguf_path} is not this build's model (vocabulary or hidden size "
+                         "differ)")
+    request = BuildRequest(max_seq=b.max_seq, weights=b.weights, layout=b.layout,
+                           head_chunks=len(manifest.head.chunks), head_argmax=False,
+                           min_weight_cosine=b.min_weight_cosine)
+    folder.mkdir(parents=True, exist_ok=True)
+    # A scratch package, never reused: the fingerprint only has to be well formed.
+    head = _build_head(model, request, folder, "logits-head.mlpackage", "0" * 64)
+    if head.chunks != list(manifest.head.chunks):
+        raise BuildError("the logits head's chunks differ from the build's")
+    shutil.rmtree(_converter_tmp(folder), ignore_errors=True)
+    return folder / head.file.path, head.chunks
+
+
 def head_chunk_bounds(vocab_size: int, head_chunks: int, argmax: bool) -> list[tuple[int, int]]:
     """The LM head's vocabulary chunks [start, end): `head_chunks` as even as np.linspace makes
     them, or with --head-argmax as many more as keep each within ANE_MAX_ARGMAX_CHANNELS
