@@ -547,8 +547,6 @@ def check_argmax_head(run: DoctorRun) -> Verdict:
     interpreter), on hidden states from the build's own shards. An id that differs passes only
     at a near-tie: the logits head's value at the argmax head's id within one fp16 step of its
     maximum (two programs may round a tie differently); anything else fails."""
-    import numpy as np
-
     m = run.loaded.manifest
     if not m.head.argmax:
         raise Skip("not a --head-argmax build (its head emits logits)")
