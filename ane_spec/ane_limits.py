@@ -15,6 +15,23 @@ import os
 ANE_MAX_SPATIAL = 16384
 MAX_SEQ_SOURCE = "ANEMLL's model code: the ANE's spatial dimensions stop at 16,384"
 
+# Reduction depth: a matmul/conv whose input dimension (the sum's length) exceeds this did not
+# run on the ANE in chrishayuk/larql#312 (Qwen2.5-7B's FFN down projection, 18,944 inputs). The
+# build splits such a conv into partial sums over input chunks of at most this many channels
+# (layer_graph.conv_in_chunks) rather than refuse it.
+ANE_MAX_REDUCTION = 16384
+REDUCTION_SOURCE = ("chrishayuk/larql#312: a matmul reducing over more than 16,384 inputs "
+                    "(Qwen2.5-7B's FFN down projection, 18,944) does not run on the ANE")
+
+# The in-model argmax: Anemll keeps each argmax over at most 16,384 channels (indices <= 16,383),
+# "ANE doesn't support int32 for argmax". --head-argmax builds use vocabulary chunks no wider.
+ANE_MAX_ARGMAX_CHANNELS = 16384
+ARGMAX_SOURCE = ("Anemll keeps in-model argmax indices <= 16,383 (\"ANE doesn't support int32 "
+                 "for argmax\")")
+
+# `build --force-ane-limits`: build what these limits refuse, for someone who knows better.
+FORCE_ANE_LIMITS_FLAG = "--force-ane-limits"
+
 # Per-block weight scales: a coremltools issue and an Apple models-repo issue report *wrong
 # output* on the ANE (cosine 0.37), not only CPU fallback (coremltools #2510 for the fallback).
 Q8_BLOCK_SOURCE = ("per-block scales are reported to give wrong output on the ANE (cosine "
@@ -23,12 +40,22 @@ Q8_BLOCK_SOURCE = ("per-block scales are reported to give wrong output on the AN
 FORCE_Q8_BLOCK_ENV = "ANE_SPEC_FORCE_Q8_BLOCK_ON_ANE"
 ANE_COMPUTE_UNITS = ("CPU_AND_NE", "ALL")
 
-# A head with --head-argmax ends in reduce_argmax over a whole vocabulary chunk (50,016 wide for
-# Phi-4-mini at 4 chunks) with an int32 output: an op that wide, ending in an integer, is one the
-# ANE compiler usually leaves to the CPU. Not measured; the doctor's residency check says where
-# it lands.
-ARGMAX_NOTE = ("reduce_argmax over a whole vocabulary chunk with an int32 output probably runs "
-               "on the CPU (not measured; `ane-spec doctor` reports where it lands)")
+# A head with --head-argmax ends in reduce_argmax over a vocabulary chunk (at most 16,384 wide,
+# ANE_MAX_ARGMAX_CHANNELS) with an int32 output: an op ending in an integer is one the ANE
+# compiler may leave to the CPU. Not measured; the doctor's residency check says where it lands.
+ARGMAX_NOTE = ("reduce_argmax over a vocabulary chunk (at most 16,384 wide) with an int32 output "
+               "may run on the CPU (not measured; `ane-spec doctor` reports where it lands)")
+
+# --decode-shape mixed changes T every pass, so it loads every package with reshapeFrequency
+# Frequent. Apple's flexible-input guide: only Infrequent lets a flexible-shape model run on the
+# Neural Engine; coremltools #2600 shows a stateful RangeDim LLM running wholly on the CPU.
+# MLComputePlan in coremltools 9.0 takes no hints, so only a measurement says where it runs
+# (the doctor's decode-shape check).
+MIXED_SHAPE_SOURCE = ("Apple's flexible-input guide: only reshapeFrequency Infrequent lets "
+                      "flexible shapes run on the Neural Engine; coremltools #2600: a stateful "
+                      "RangeDim LLM ran wholly on the CPU")
+MIXED_SHAPE_NOTE = ("--decode-shape mixed loads with reshapeFrequency Frequent and is expected "
+                    f"to run off the ANE ({MIXED_SHAPE_SOURCE})")
 
 # Host memory at or below which the doctor's ane-vs-cpu check (a second, CPU_ONLY copy of the
 # whole build) may push a Phi-size build into swap.
@@ -40,6 +67,16 @@ def max_seq_problem(max_seq: int) -> str | None:
         return None
     return (f"--max-seq {max_seq} is above {ANE_MAX_SPATIAL:,}, the ANE's spatial limit "
             f"({MAX_SEQ_SOURCE}): the attention and K/V states will run off the ANE")
+
+
+def ane_limit_refusals(max_seq: int) -> list[str]:
+    """What `build` refuses, because the ANE cannot take it, unless --force-ane-limits."""
+    found = []
+    if max_seq > ANE_MAX_SPATIAL:
+        found.append(f"--max-seq {max_seq} is wider than {ANE_MAX_SPATIAL:,}, the ANE's largest "
+                     f"width ({MAX_SEQ_SOURCE}; FluidInference/mobius#61): the attention and "
+                     f"K/V states would run off the ANE")
+    return found
 
 
 def q8_block_refusal(weights: str, compute_units: str) -> str | None:

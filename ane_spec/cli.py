@@ -134,7 +134,8 @@ def cmd_build(args: argparse.Namespace) -> int:
     request = BuildRequest(topology=args.topology, max_seq=args.max_seq, weights=args.weights,
                            layout=args.layout, head_chunks=args.head_chunks,
                            head_argmax=args.head_argmax, max_shard_mb=args.max_shard_mb,
-                           min_weight_cosine=args.min_weight_cosine)
+                           min_weight_cosine=args.min_weight_cosine,
+                           force_ane_limits=args.force_ane_limits)
     result = build(_model_path(args.gguf), args.out, request, force=args.force,
                    progress=lambda msg: tqdm.write(f"[build] {msg}", file=sys.stderr))
     for line in result.summary:
@@ -227,7 +228,11 @@ def _add_backend_args(p: argparse.ArgumentParser, *, decode_shape: bool = True) 
                         "greedy bitwise on a row-invariant backend; mixed: T=1 decode + T=4 "
                         "verify, cheaper where T=1 is much faster, exact only up to rounding. "
                         "Residency (MLComputePlan) is proven at T=4, the inputs' default "
-                        "shape, only: with mixed, T=1 residency is unproven")
+                        "shape, only. mixed loads with reshapeFrequency Frequent and is "
+                        "expected OFF the ANE (Apple's flexible-input guide: only Infrequent "
+                        "runs flexible shapes on the Neural Engine; coremltools #2600 ran a "
+                        "stateful RangeDim LLM wholly on the CPU); `doctor --decode-shape "
+                        "mixed` measures where it runs")
 
 
 # --- decoding ---------------------------------------------------------------------------------
@@ -543,7 +548,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topology", help="layers per shard (20,4,6,2) or ranges (0:20,20:32); "
                                       "default: fewest shards under --max-shard-mb")
     p.add_argument("--max-seq", type=int, default=2048,
-                   help="context window S (KV slots); a multiple of 32")
+                   help="context window S (KV slots); a multiple of 32, at most 16,384 (the "
+                        "ANE's width; --force-ane-limits to go over)")
     p.add_argument("--weights", choices=["auto", "int8-channel", "q8-block", "fp16"],
                    default="auto",
                    help="auto (default): per tensor, int8 per channel where its cosine against "
@@ -563,6 +569,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "format that reaches it; a forced format below it fails")
     p.add_argument("--force", action="store_true",
                    help="replace an existing output folder (unchanged shards are reused)")
+    p.add_argument("--force-ane-limits", action="store_true",
+                   help="build what the Neural Engine's known limits refuse (e.g. --max-seq over "
+                        "16,384); the build says each limit it overrides")
     p.set_defaults(handler=cmd_build)
 
     p = sub.add_parser("generate", help="generate text with a built model (speculative by default)")
@@ -636,7 +645,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gguf", help="source GGUF for the parity check (default: the manifest's)")
     p.add_argument("--decode-shape", choices=DECODE_SHAPES, default="fixed",
                    help="the decode shape to check (sets Core ML's reshape hint); residency is "
-                        "planned at T=4 only, so with mixed, T=1 residency is unproven")
+                        "planned at T=4 only, so with mixed, T=1 residency is unproven; mixed "
+                        "loads with reshapeFrequency Frequent, expected off the ANE (Apple's "
+                        "flexible-input guide; coremltools #2600): the decode-shape check "
+                        "measures where it runs")
     p.add_argument("--json", action="store_true", help="print one JSON object with a checks list")
     p.add_argument("--out", help="also write a short Markdown report to this file, and JSON "
                    "beside it (.json); both are rewritten after every check")

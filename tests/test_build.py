@@ -124,6 +124,8 @@ def test_long_context_build_records_long_factors(tiny_gguf: Path, tmp_path: Path
     ({"max_seq": 100}, "multiple of 32"),
     ({"max_shard_mb": 0, "topology": "3"}, "over --max-shard-mb 0"),
     ({"head_chunks": 0}, "--head-chunks 0"),
+    # Issue 28 item 4: a width the ANE cannot take is refused, naming the limit and its source.
+    ({"max_seq": 16416}, r"16,384.*ANEMLL.*--force-ane-limits"),
     ({"min_weight_cosine": 0.99999999}, "below --min-weight-cosine"),
 ])
 def test_bad_requests(tiny_gguf: Path, tmp_path: Path, kwargs: dict, message: str) -> None:
@@ -253,3 +255,94 @@ def test_auto_weights_plan_shards_as_int8_per_channel() -> None:
         assert plan_topology(c, "auto", 1750) == plan_topology(c, "int8-channel", 1750), name
     assert [b - a for a, b in plan_topology(preset("qwen3-4b").to_config(), "auto", 1750)] == [
         18, 18]
+
+
+# --- ANE limits refused or worked around at build (issue 28 item 4) -----------------------------
+
+def test_force_ane_limits_builds_a_refused_width_and_says_so(tiny_gguf: Path,
+                                                              tmp_path: Path) -> None:
+    lines: list[str] = []
+    result = build(tiny_gguf, tmp_path / "art", BuildRequest(topology="3", max_seq=16416,
+                                                             force_ane_limits=True),
+                   progress=lines.append)
+    assert any(w.startswith("--force-ane-limits overrides: --max-seq 16416") for w in result.warnings)
+    assert any("--force-ane-limits overrides" in line for line in lines)
+    assert load_manifest(result.manifest_path).manifest.build.max_seq == 16416
+
+
+def _cosine(a, b):
+    import numpy as np
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+def test_reduction_deeper_than_the_ane_takes_is_split_into_partial_sums(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An FFN of 16,416 (> 16,384, chrishayuk/larql#312) builds with its down projection as a sum
+    of two convs over <= 16,384 inputs, and computes what the unsplit program computes."""
+    import numpy as np
+
+    from ane_spec.model.gguf_file import open_gguf
+    from ane_spec.model.reference import ReferenceModel
+    from ane_spec.model.synthetic import write_synthetic_gguf
+    from ane_spec.runtime.mil_backend import MILBackend
+    from ane_spec.runtime.pipeline import ShardPipeline, prefill_logits
+    from ane_spec.shards import layer_graph
+
+    spec = preset("tiny", hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                  ffn_size=16416, vocab_size=512, rope_dims=24, embed_std=1.0,
+                  branch_scale=1.0, seed=3)
+    gguf = write_synthetic_gguf(tmp_path / "deep.gguf", spec)
+    req = BuildRequest(topology="1", max_seq=64)
+    split = build(gguf, tmp_path / "split", req).manifest_path.parent
+    facts = read_package_facts(split / "shards" / "layers_00_01.mlpackage")
+    assert facts.ops["conv"] == 5  # qkv, o, up, and the down projection in two parts
+    with monkeypatch.context() as m:  # the program as it was before the split
+        m.setattr(layer_graph, "ANE_MAX_REDUCTION", 10**9)
+        whole = build(gguf, tmp_path / "whole", req).manifest_path.parent
+    assert read_package_facts(whole / "shards" / "layers_00_01.mlpackage").ops["conv"] == 4
+
+    tokens = [int(t) for t in np.random.default_rng(0).integers(0, 512, 48)]
+    got = {name: prefill_logits(ShardPipeline(load_manifest(path), MILBackend("fp16")),
+                                tokens).astype(np.float64)
+           for name, path in (("split", split), ("whole", whole))}
+    ref = ReferenceModel(open_gguf(gguf), context_window=64).logits(tokens).astype(np.float64)
+    assert _cosine(got["split"], got["whole"]).min() > 0.9999
+    assert (got["split"].argmax(-1) == got["whole"].argmax(-1)).mean() >= 0.95
+    # Against the fp32 reference the split build is no further off than the unsplit one.
+    assert _cosine(got["split"], ref).min() > 0.999
+    assert abs(_cosine(got["split"], ref).mean() - _cosine(got["whole"], ref).mean()) < 1e-4
+
+
+def test_head_argmax_chunks_stay_within_the_ane_argmax_width(tmp_path: Path) -> None:
+    """Issue 28 item 3: --head-argmax reduces over at most 16,384 channels a chunk (Anemll), and
+    the host's pick over the chunk maxima equals the logits head's argmax."""
+    import numpy as np
+
+    from ane_spec.model.synthetic import write_synthetic_gguf
+    from ane_spec.runtime.mil_backend import MILBackend
+    from ane_spec.runtime.pipeline import ShardPipeline
+    from ane_spec.shards.build import head_chunk_bounds
+
+    wide = head_chunk_bounds(200064, 4, argmax=True)
+    assert len(wide) == 13 and max(e - s for s, e in wide) <= 16384
+    assert wide[0][0] == 0 and wide[-1][1] == 200064
+    assert len(head_chunk_bounds(200064, 4, argmax=False)) == 4
+
+    spec = preset("tiny", hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                  ffn_size=128, vocab_size=32800, rope_dims=24, embed_std=1.0,
+                  branch_scale=1.0, seed=5)
+    gguf = write_synthetic_gguf(tmp_path / "wide.gguf", spec)
+    ids = {}
+    for argmax in (False, True):
+        out = tmp_path / f"art-{argmax}"
+        build(gguf, out, BuildRequest(topology="1", max_seq=64, head_chunks=1, head_argmax=argmax))
+        m = load_manifest(out)
+        if argmax:
+            assert len(m.manifest.head.chunks) == 3 == m.manifest.build.head_chunks
+            assert max(e - s for s, e in m.manifest.head.chunks) <= 16384
+        pipeline = ShardPipeline(m, MILBackend("fp16"))
+        state = pipeline.new_state()
+        tokens = [int(t) for t in np.random.default_rng(1).integers(0, 32800, 32)]
+        ids[argmax] = np.concatenate([pipeline.run(tokens[i:i + 4], i, state).argmax
+                                      for i in range(0, len(tokens), 4)])
+    assert (ids[True] == ids[False]).all()

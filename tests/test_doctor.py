@@ -80,7 +80,8 @@ def test_with_a_build_json_and_markdown(build_dir: Path, tmp_path: Path, capsys)
     assert checks["kv-slots"]["status"] == "passed"
     assert checks["kv-slots"]["details"]["ane_slots"] > 100
     assert "resident slots fit" in checks["kv-slots"]["summary"]
-    assert out["counts"] == {"passed": 10, "failed": 0, "skipped": 8}
+    # decode-shape (mixed, no Core ML here) and argmax-head (a logits build) skip too.
+    assert out["counts"] == {"passed": 10, "failed": 0, "skipped": 10}
 
     markdown = report.read_text()
     assert markdown.startswith("## ane-spec doctor") and "| parity | passed |" in markdown
@@ -179,6 +180,37 @@ def test_doctor_end_to_end_through_the_standin(build_dir: Path, tmp_path: Path,
     assert body["cost"]["shape_switches"] >= 1 and body["cost"]["seconds"] > 0
     markdown = report.read_text()
     assert "| row-invariance | passed |" in markdown and "shape switch" in markdown
+    assert checks["decode-shape"]["status"] == "passed"  # fixed: Infrequent
+    assert "Infrequent" in checks["decode-shape"]["summary"]
+
+
+def test_mixed_decode_shape_is_measured_off_the_ane(build_dir: Path, standin_everywhere) -> None:
+    """Issue 28 item 5: mixed loads with reshapeFrequency Frequent; the doctor says it is
+    expected off the ANE and measures where it runs. The stand-in's Frequent + RangeDim +
+    CPU_AND_NE rule reports "not on the ANE" for every package, so the verdict is "failed"."""
+    checks = by_name(run_doctor(build_dir, decode_shape="mixed", checks=[
+        ("environment", doctor.check_environment),
+        ("decode-shape", doctor.check_decode_shape_placement)]))
+    env = checks["environment"]
+    assert "expected off the ANE" in env.summary and "#2600" in env.details["expected_placement"]
+    c = checks["decode-shape"]
+    assert c.status == "failed", c
+    assert "runs off the ANE under reshapeFrequency Frequent, as expected" in c.summary
+    assert "flexible-input guide" in c.summary and "#2600" in c.summary
+    assert c.details["off_ane"] == ["head", "shard 0-2"]
+    assert all("not on the ANE" in where for where in c.details["placement"].values())
+    fixed = by_name(run_doctor(build_dir, decode_shape="fixed", checks=[
+        ("decode-shape", doctor.check_decode_shape_placement)]))["decode-shape"]
+    assert fixed.status == "passed" and "Infrequent" in fixed.summary
+
+
+def test_mixed_decode_shape_help_says_it_is_expected_off_the_ane(capsys) -> None:
+    for command in (["generate", "--help"], ["doctor", "--help"]):
+        with pytest.raises(SystemExit):
+            main(command)
+        text = " ".join(capsys.readouterr().out.split())
+        assert "Frequent" in text and "#2600" in text and "off the ANE" in text.replace(
+            "OFF", "off"), command
 
 
 @core_ml_check
@@ -223,3 +255,45 @@ def test_ane_vs_cpu_warns_on_small_macs() -> None:
     assert "16 GB" in small_mac_warning(16 * 10**9) and "second full copy" in small_mac_warning(
         8 * 10**9)
     assert small_mac_warning(32 * 10**9) is None and small_mac_warning(None) is None
+
+
+@pytest.mark.parametrize("where", ["interpreter", "standin"])
+def test_argmax_head_agrees_with_a_logits_head(tiny_gguf_conditioned: Path,
+                                               tmp_path_factory: pytest.TempPathFactory,
+                                               request: pytest.FixtureRequest,
+                                               where: str) -> None:
+    """Issue 28 item 3: the doctor builds a logits head beside a --head-argmax build and
+    compares ids on the same hidden states (on Core ML - the stand-in - or the interpreter)."""
+    if where == "standin":
+        request.getfixturevalue("standin_everywhere")
+    out = tmp_path_factory.mktemp("argmax") / "art"
+    build(tiny_gguf_conditioned, out, BuildRequest(topology="3", max_seq=64, head_argmax=True))
+    check = by_name(run_doctor(out, checks=[("argmax-head", doctor.check_argmax_head)]))[
+        "argmax-head"]
+    assert check.status == "passed", check
+    assert check.details["rows"] == 64 and check.details["agree"] == 64, check
+    assert check.details["widest_chunk"] <= 16384
+    assert check.summary.startswith("argmax head agrees with a logits head on ")
+    assert ("Core ML" in check.details["backend"]) == (where == "standin"), check.details
+    logits = by_name(run_doctor(request.getfixturevalue("build_dir"), checks=[
+        ("argmax-head", doctor.check_argmax_head)]))["argmax-head"]
+    assert logits.status == "skipped" and "not a --head-argmax build" in logits.summary
+
+
+@pytest.mark.parametrize("cpu_ms,status", [(11.0, "failed"), (40.0, "passed")])
+def test_mixed_decode_shape_on_a_mac_is_timed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                              cpu_ms: float, status: str) -> None:
+    """On real Core ML (no placement reported) the verdict comes from the clock: T=1 on
+    CPU_AND_NE under Frequent against CPU_ONLY, from warm-latency and ane-vs-cpu."""
+    from ane_spec.runtime import coreml_backend
+
+    monkeypatch.setattr(coreml_backend, "hardware_problem", lambda: None)
+    monkeypatch.setattr(doctor.DoctorRun, "need_build_on_coreml", lambda self: None)
+    run = doctor.DoctorRun(None, tmp_path, "mixed")
+    run.measurements = {"CPU_AND_NE": {"t1_ms": 10.0}, "CPU_ONLY": {"t1_ms": cpu_ms}}
+    verdict = doctor.check_decode_shape_placement(run)
+    assert verdict.status == status, verdict
+    assert "timed: T=1 CPU_AND_NE 10.0 ms" in verdict.summary and "#2600" in verdict.summary
+    run.measurements = {}
+    with pytest.raises(doctor.Skip, match="no T=1 timings"):
+        doctor.check_decode_shape_placement(run)

@@ -32,7 +32,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
-from ane_spec.ane_limits import SMALL_MAC_BYTES
+from ane_spec.ane_limits import MIXED_SHAPE_NOTE, MIXED_SHAPE_SOURCE, SMALL_MAC_BYTES
 from ane_spec.manifests.store import LoadedManifest, load_manifest
 from ane_spec.peak_memory import peak_rss_bytes
 from ane_spec.probes.report import GateReport
@@ -180,6 +180,9 @@ def check_environment(run: DoctorRun) -> Verdict:
     summary = (f"{facts['os']}, {facts['chip']}, Python {facts['python']}, coremltools "
                f"{facts['coremltools']}; decode shape {run.decode_shape} -> reshapeFrequency "
                f"{run.reshape_frequency}")
+    if run.reshape_frequency == "Frequent":
+        facts["expected_placement"] = MIXED_SHAPE_NOTE
+        summary += " (expected off the ANE; the decode-shape check measures it)"
     return Verdict("passed", summary, facts)
 
 
@@ -381,15 +384,84 @@ def check_ane_vs_cpu(run: DoctorRun) -> Verdict:
         run.progress(memory_note)
     cpu = {f"t{w}_ms": _median_pass_ms(run.pipeline("CPU_ONLY"), w) for w in (1, 4)}
     run.pipelines.pop("CPU_ONLY")
+    run.measurements["CPU_ONLY"] = cpu  # the decode-shape check reads T=1 from here
     speedup = cpu["t4_ms"] / ane["t4_ms"]
     summary = (f"CPU_ONLY: T=1 {cpu['t1_ms']:.1f} ms, T=4 {cpu['t4_ms']:.1f} ms per pass; "
                f"CPU_AND_NE is {speedup:.2f}x faster at T=4"
-               + (f" ({memory_note})" if memory_note else ""))
+               + (f" ({memory_note})" if memory_note else "")
+               + (f"; {MIXED_SHAPE_NOTE}, so a CPU_AND_NE figure near CPU_ONLY's is what it "
+                  "predicts" if run.reshape_frequency == "Frequent" else ""))
     if speedup >= MIN_ANE_SPEEDUP:
         return Verdict("passed", summary, {"CPU_ONLY": cpu, "ane_speedup_t4": speedup})
     return Verdict("failed", summary + f" (< {MIN_ANE_SPEEDUP}x: the Neural Engine may not be in "
                    "use; a tiny test model can also simply be faster on the CPU)",
                    {"CPU_ONLY": cpu, "ane_speedup_t4": speedup})
+
+
+@core_ml_check
+def check_decode_shape_placement(run: DoctorRun) -> Verdict:
+    """Where the decode shape's passes run under the reshapeFrequency hint they load with.
+
+    fixed loads with Infrequent, under which Apple's flexible-input guide lets flexible shapes
+    run on the ANE (residency planned that shape). mixed loads with Frequent and is expected off
+    the ANE (ane_limits.MIXED_SHAPE_SOURCE). MLComputePlan in coremltools 9.0 takes no hints, so
+    the plan cannot say; this check measures instead: on a Mac by the clock (T=1 passes of the
+    build as loaded, CPU_AND_NE with Frequent against CPU_ONLY, from warm-latency and
+    ane-vs-cpu), and where a stand-in replaces Core ML's native layer by the placement the
+    stand-in reports for each package loaded with the same hints (Core ML itself never reports
+    one). Last: it reads ane-vs-cpu's CPU_ONLY figures."""
+    if run.reshape_frequency == "Infrequent":
+        return Verdict("passed", f"{run.decode_shape} decode shape: reshapeFrequency "
+                       "Infrequent, the hint under which flexible shapes may run on the ANE; "
+                       "residency covers its one shape (T=4)", {"reshape_frequency": "Infrequent"})
+    run.need_build_on_coreml()
+    from ane_spec.runtime.coreml_backend import hardware_problem
+
+    details: dict[str, Any] = {"reshape_frequency": "Frequent", "expected": MIXED_SHAPE_NOTE}
+    if hardware_problem():
+        reported = _reported_placements(run)
+        details["placement"] = reported
+        off = {label: where for label, where in reported.items() if "not on the ANE" in where}
+        how = "placement reported by the loaded models (a stand-in)"
+    else:
+        ane = run.measurements.get("CPU_AND_NE", {}).get("t1_ms")
+        cpu = run.measurements.get("CPU_ONLY", {}).get("t1_ms")
+        if ane is None or cpu is None:
+            raise Skip("no T=1 timings to compare (warm-latency or ane-vs-cpu did not run)")
+        speedup = cpu / ane
+        details |= {"t1_ms": {"CPU_AND_NE": ane, "CPU_ONLY": cpu}, "ane_speedup_t1": speedup}
+        off = {"build": f"T=1 CPU_AND_NE {ane:.1f} ms vs CPU_ONLY {cpu:.1f} ms "
+                        f"({speedup:.2f}x, < {MIN_ANE_SPEEDUP}x)"} if speedup < MIN_ANE_SPEEDUP else {}
+        how = (f"timed: T=1 CPU_AND_NE {ane:.1f} ms vs CPU_ONLY {cpu:.1f} ms, "
+               f"{speedup:.2f}x")
+    details["off_ane"] = sorted(off)
+    if off:
+        return Verdict("failed", f"{run.decode_shape} decode shape runs off the ANE under "
+                       f"reshapeFrequency Frequent, as expected ({MIXED_SHAPE_SOURCE}); "
+                       f"measured: {how}; off: {', '.join(sorted(off))}. On a Mac use "
+                       "--decode-shape fixed", details)
+    return Verdict("passed", f"{run.decode_shape} decode shape runs on the ANE despite "
+                   f"reshapeFrequency Frequent (expected off it: {MIXED_SHAPE_SOURCE}); "
+                   f"measured: {how}", details)
+
+
+def _reported_placements(run: DoctorRun) -> dict[str, str]:
+    """Each package loaded as the pipeline loads it (CPU_AND_NE, the decode shape's hints), and
+    where its native model says it runs: only a stand-in says (tests/coreml_standin.py's
+    Frequent + RangeDim rule); a package whose model says nothing reads "not reported"."""
+    import coremltools as ct
+
+    from ane_spec.runtime.coreml_backend import compile_package, optimization_hints
+
+    found = {}
+    for label, path, sha in run.packages():
+        run.progress(f"loading {label} with reshapeFrequency {run.reshape_frequency}")
+        model = ct.models.CompiledMLModel(
+            str(compile_package(path, sha)), ct.ComputeUnit.CPU_AND_NE,
+            optimization_hints=optimization_hints(run.reshape_frequency))
+        found[label] = str(getattr(getattr(model, "_proxy", None), "placement", "not reported"))
+        del model
+    return found
 
 
 def small_mac_warning(host_bytes: int | None) -> str | None:
@@ -461,6 +533,88 @@ def check_parity(run: DoctorRun) -> Verdict:
     return _from_gate(gate_parity(run.loaded, run.pipeline(), run.gguf))
 
 
+# Hidden states the argmax-head check compares the two heads on: tokens from position 0.
+ARGMAX_CHECK_TOKENS = 64
+
+
+@core_ml_check
+def check_argmax_head(run: DoctorRun) -> Verdict:
+    """A --head-argmax build's ids against a logits head's argmax on the same hidden states.
+
+    The logits head is built here, into the doctor's scratch folder, from the source GGUF with
+    the build's weight format and chunks (the same weights per chunk); both heads run on the
+    backend the model checks use (Core ML CPU_AND_NE where it runs, else the fp16
+    interpreter), on hidden states from the build's own shards. An id that differs passes only
+    at a near-tie: the logits head's value at the argmax head's id within one fp16 step of its
+    maximum (two programs may round a tie differently); anything else fails."""
+    m = run.loaded.manifest
+    if not m.head.argmax:
+        raise Skip("not a --head-argmax build (its head emits logits)")
+    source = Path(run.gguf or m.source.path)
+    if not source.is_file():
+        raise Skip(f"needs the source GGUF ({source} is not there; pass --gguf PATH)")
+    from ane_spec.shards.build import build_logits_head
+
+    pipeline = run.pipeline()
+    run.progress("building a logits head beside the argmax head")
+    path, chunks = build_logits_head(source, m, run.work / "argmax-check")
+    backend = (make_backend("mil", precision="fp16", decode_shape=run.decode_shape)
+               if run.coreml_problem else
+               make_backend("coreml", compute_units="CPU_AND_NE", decode_shape=run.decode_shape))
+    try:
+        return _compare_heads(run, pipeline, backend, path, chunks)
+    finally:
+        close = getattr(backend, "close", None)  # a Core ML worker process: end it
+        if close is not None:
+            close()
+
+
+def _compare_heads(run: DoctorRun, pipeline, backend, path: Path, chunks) -> Verdict:
+    import numpy as np
+
+    from ane_spec.runtime.backend import start_backend
+
+    m = run.loaded.manifest
+    logits_head = backend.load(path)
+    start_backend(backend)
+    rng = np.random.default_rng(0)
+    tokens = [int(t) for t in rng.integers(0, m.model.vocab_size,
+                                           min(ARGMAX_CHECK_TOKENS, m.build.max_seq))]
+    state = pipeline.new_state()
+    ids_argmax, ids_logits, gaps = [], [], []
+    for start in range(0, len(tokens), pipeline.max_t):
+        block = tokens[start:start + pipeline.max_t]
+        width = pipeline.shape.pass_width(len(block))
+        padded = [*block, *[block[-1]] * (width - len(block))]
+        hidden = pipeline.run_shards(pipeline.to_hidden(pipeline.embeddings.lookup(padded)),
+                                     pipeline.host.block(start, len(block), width), state)
+        got = pipeline._read_head(pipeline.head.predict({"x": hidden}), len(block)).argmax
+        out = logits_head.predict({"x": hidden})
+        logits = np.concatenate([pipeline.token_major(out[f"logits_{i}"])[:len(block)]
+                                 for i in range(len(chunks))], axis=1).astype(np.float32)
+        want = logits.argmax(axis=1)
+        ids_argmax += got.tolist()
+        ids_logits += want.tolist()
+        rows = np.arange(len(block))
+        gaps += (logits[rows, want] - logits[rows, got]).tolist()
+    agree = sum(a == b for a, b in zip(ids_argmax, ids_logits))
+    top = float(np.max(np.abs(gaps))) if gaps else 0.0
+    # One fp16 step at the logits' magnitude: how far two roundings of a tie can fall apart.
+    step = float(np.spacing(np.float16(max(1.0, top + 1.0))))
+    bad = [i for i, g in enumerate(gaps) if g > step]
+    details = {"rows": len(tokens), "agree": agree, "chunks": len(chunks),
+               "widest_chunk": max(e - s for s, e in chunks), "near_tie_disagreements":
+               len(tokens) - agree - len(bad), "disagreements": len(bad),
+               "backend": backend.describe()}
+    summary = (f"argmax head agrees with a logits head on {agree}/{len(tokens)} rows "
+               f"({len(chunks)} chunks, widest {details['widest_chunk']:,}; "
+               f"{backend.describe()})")
+    if bad:
+        return Verdict("failed", summary + f"; {len(bad)} row(s) differ by more than a "
+                       "near-tie", details)
+    return Verdict("passed", summary, details)
+
+
 @core_ml_check
 def check_peak_memory(run: DoctorRun) -> Verdict:
     """Peak resident memory of the worker process, which by now has loaded and run the build on
@@ -502,9 +656,11 @@ CHECKS: list[tuple[str, CheckFn]] = [
     ("block", check_block),
     ("drift", check_drift),
     ("parity", check_parity),
+    ("argmax-head", check_argmax_head),
     ("peak-memory", check_peak_memory),
     ("kv-slots", check_kv_slots),
     ("ane-vs-cpu", check_ane_vs_cpu),  # loads a CPU_ONLY copy: after peak-memory
+    ("decode-shape", check_decode_shape_placement),  # reads ane-vs-cpu's CPU_ONLY timings
 ]
 
 

@@ -35,7 +35,12 @@ from coremltools.converters.mil.mil import Program, types
 from pydantic import BaseModel, ConfigDict
 
 import ane_spec
-from ane_spec.ane_limits import build_warnings
+from ane_spec.ane_limits import (
+    ANE_MAX_ARGMAX_CHANNELS,
+    FORCE_ANE_LIMITS_FLAG,
+    ane_limit_refusals,
+    build_warnings,
+)
 from ane_spec.errors import AneSpecError, BuildError, ManifestError, one_line, untrusted
 from ane_spec.manifests.schema import (
     GRAPH_REVISION,
@@ -96,6 +101,7 @@ class BuildRequest(BaseModel):
     layout: Layout = "BCT1"
     head_chunks: int = 4
     head_argmax: bool = False
+    force_ane_limits: bool = False   # build what ane_limits refuses (it is said, not silent)
     max_shard_mb: int = DEFAULT_MAX_SHARD_MB
     min_weight_cosine: float = DEFAULT_MIN_WEIGHT_COSINE
     name: str | None = None
@@ -124,6 +130,9 @@ def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
     model = open_gguf(gguf_path)
     ranges = _validate(model, request)
     warnings = build_warnings(request.max_seq, request.weights, request.head_argmax)
+    if request.force_ane_limits:
+        warnings += [f"{FORCE_ANE_LIMITS_FLAG} overrides: {r}"
+                     for r in ane_limit_refusals(request.max_seq)]
     for w in warnings:
         say(f"warning: {w}")
     try:
@@ -180,7 +189,7 @@ def _build_into(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
     say(f"hashing {model.path.name}")
     source_sha, tensor_sha = model.content_hashes()
     model.check_unchanged()
-    options = _options(request, ranges)
+    options = _options(request, ranges, model.config.vocab_size)
     shards = []
     for n, (a, b) in enumerate(ranges):
         label = f"shard {n + 1}/{len(ranges)} layers [{a},{b})"
@@ -313,6 +322,10 @@ def _validate(model: GGUFModel, r: BuildRequest) -> list[tuple[int, int]]:
                          f"{-(-c.vocab_size // r.head_chunks):,} channels, over the "
                          f"{MAX_HEAD_CHANNELS:,} known to stay on the ANE; use at least "
                          f"{min_head_chunks(c.vocab_size)}")
+    refusals = ane_limit_refusals(r.max_seq)
+    if refusals and not r.force_ane_limits:
+        raise BuildError(f"{'; '.join(refusals)}. Lower it, or pass {FORCE_ANE_LIMITS_FLAG} to "
+                         "build it anyway (it will not run on the Neural Engine)")
     if not 0 < r.min_weight_cosine <= 1:
         raise BuildError(f"--min-weight-cosine {r.min_weight_cosine} must be in (0, 1]")
     ranges = parse_topology(r.topology, c.num_layers)
@@ -340,10 +353,12 @@ def _check_output(out: Path, force: bool) -> None:
         raise BuildError(f"{out} exists and is not a folder")
 
 
-def _options(r: BuildRequest, ranges: list[tuple[int, int]]) -> BuildOptions:
+def _options(r: BuildRequest, ranges: list[tuple[int, int]], vocab_size: int) -> BuildOptions:
     return BuildOptions(topology=[b - a for a, b in ranges], max_seq=r.max_seq, t_range=(1, MAX_T),
                         default_t=DEFAULT_T,
-                        layout=r.layout, weights=r.weights, head_chunks=r.head_chunks,
+                        layout=r.layout, weights=r.weights,
+                        head_chunks=len(head_chunk_bounds(vocab_size, r.head_chunks,
+                                                          r.head_argmax)),
                         head_argmax=r.head_argmax, min_weight_cosine=r.min_weight_cosine)
 
 
@@ -431,8 +446,7 @@ def _build_shard(model: GGUFModel, r: BuildRequest, a: int, b: int, tmp: Path, r
 def _build_head(model: GGUFModel, r: BuildRequest, tmp: Path, rel: str, fp: str) -> HeadEntry:
     c = model.config
     t = model.lm_head
-    bounds = np.linspace(0, c.vocab_size, r.head_chunks + 1).astype(int)
-    chunks = [(int(s), int(e)) for s, e in zip(bounds[:-1], bounds[1:])]
+    chunks = head_chunk_bounds(c.vocab_size, r.head_chunks, r.head_argmax)
     choices: dict[str, TensorChoice] = {}
     weights = []
     for n, (s, e) in enumerate(chunks):
@@ -448,6 +462,42 @@ def _build_head(model: GGUFModel, r: BuildRequest, tmp: Path, rel: str, fp: str)
     ref, (inputs, outputs, _) = _save_checked(holder, tmp, rel, "head", r.weights)
     return HeadEntry(chunks=chunks, argmax=r.head_argmax, file=ref, inputs=inputs,
                      outputs=outputs, quant=quant, fingerprint=fp)
+
+
+def build_logits_head(gguf_path: str | os.PathLike[str], manifest: Manifest,
+                      folder: Path) -> tuple[Path, list[tuple[int, int]]]:
+    """A logits head (no argmax) for `manifest`'s model from its source GGUF, with the build's
+    weight format, layout, weight floor and vocabulary chunks, so each chunk's weights are the
+    ones its --head-argmax head converted (auto picks a format per chunk, deterministically).
+    The doctor's argmax-head check runs both on the same hidden states. Returns (package,
+    chunks)."""
+    model = open_gguf(gguf_path)
+    b = manifest.build
+    if (model.config.vocab_size, model.config.hidden_size) != (
+            manifest.model.vocab_size, manifest.model.hidden_size):
+        raise BuildError(f"{gguf_path} is not this build's model (vocabulary or hidden size "
+                         "differ)")
+    request = BuildRequest(max_seq=b.max_seq, weights=b.weights, layout=b.layout,
+                           head_chunks=len(manifest.head.chunks), head_argmax=False,
+                           min_weight_cosine=b.min_weight_cosine)
+    folder.mkdir(parents=True, exist_ok=True)
+    # A scratch package, never reused: the fingerprint only has to be well formed.
+    head = _build_head(model, request, folder, "logits-head.mlpackage", "0" * 64)
+    if head.chunks != list(manifest.head.chunks):
+        raise BuildError("the logits head's chunks differ from the build's")
+    shutil.rmtree(_converter_tmp(folder), ignore_errors=True)
+    return folder / head.file.path, head.chunks
+
+
+def head_chunk_bounds(vocab_size: int, head_chunks: int, argmax: bool) -> list[tuple[int, int]]:
+    """The LM head's vocabulary chunks [start, end): `head_chunks` as even as np.linspace makes
+    them, or with --head-argmax as many more as keep each within ANE_MAX_ARGMAX_CHANNELS
+    (ane_limits.ARGMAX_SOURCE: Anemll's argmax indices stop at 16,383); the host still takes the best chunk's max."""
+    n = head_chunks
+    if argmax:
+        n = max(n, -(-vocab_size // ANE_MAX_ARGMAX_CHANNELS))
+    bounds = np.linspace(0, vocab_size, n + 1).astype(int)
+    return [(int(s), int(e)) for s, e in zip(bounds[:-1], bounds[1:])]
 
 
 def _save_checked(holder: list[Program], tmp: Path, rel: str, kind: str, weights: WeightFormat):

@@ -32,13 +32,14 @@ loses to any score more than |mask| above the row's visible ones.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
 from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import Var
 
+from ane_spec.ane_limits import ANE_MAX_REDUCTION
 from ane_spec.model.config import ModelConfig
 from ane_spec.shards.weights import ConvWeight
 
@@ -83,6 +84,50 @@ def conv_weight(w: ConvWeight, name: str) -> Var | np.ndarray:
     if w.scale is None:
         return w.data
     return mb.constexpr_blockwise_shift_scale(data=w.data, scale=w.scale, name=name)
+
+
+def conv_in_chunks(x: Var, w: ConvWeight, name: str, out_name: str | None = None,
+                   max_depth: int | None = None) -> Var:
+    """The 1x1 conv x -> W x, as one conv when its reduction depth (W's input dim) is at most
+    `max_depth`; otherwise a sum of partial convs over input chunks of at most `max_depth`
+    channels, because the ANE does not take a longer reduction (ane_limits.REDUCTION_SOURCE,
+    chrishayuk/larql#312). Each chunk slices the stored weight (int8 data and its per-row scale,
+    per-block scales on their 32-wide block boundaries, LUT indices with the same tables), so the
+    weights and the bytes stored are the same as the unsplit conv's.
+
+    Exactness: NOT bit-exact against the unsplit fp16 conv. It changes the summation order: each
+    partial sum is rounded to fp16 at its conv's output and the partials are then added in fp16,
+    one more rounding (about 2^-11 relative) than one conv accumulating the whole depth. The
+    reference (fp32 math) and the parity gates compare with tolerances, not bitwise, so they stay
+    correct; a split build is checked against the reference like any other.
+    """
+    depth = w.shape[1]
+    max_depth = max_depth or ANE_MAX_REDUCTION
+    if depth <= max_depth:
+        return mb.conv(x=x, weight=conv_weight(w, name + "_w"), name=out_name or name)
+    cuts = list(range(0, depth, max_depth)) + [depth]
+    pieces = mb.split(x=x, split_sizes=[b - a for a, b in zip(cuts[:-1], cuts[1:])], axis=1,
+                      name=name + "_in")
+    total = None
+    for k, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+        part = mb.conv(x=pieces[k], weight=conv_weight(_input_slice(w, a, b), f"{name}_w{k}"),
+                       name=f"{name}_part{k}")
+        last = k == len(cuts) - 2
+        total = part if total is None else mb.add(
+            x=total, y=part, name=(out_name or name) if last else f"{name}_sum{k}")
+    return total
+
+
+def _input_slice(w: ConvWeight, a: int, b: int) -> ConvWeight:
+    """Columns [a, b) of a conv weight, in its stored form."""
+    scale = w.scale
+    if scale is not None and scale.shape[1] > 1:  # per-block scales, 32 inputs a block
+        block = w.shape[1] // scale.shape[1]
+        if a % block or (b % block and b != w.shape[1]):
+            raise ValueError(f"input chunk [{a},{b}) splits a {block}-wide scale block")
+        scale = scale[:, a // block:-(-b // block)]
+    return replace(w, shape=(w.shape[0], b - a), data=np.ascontiguousarray(w.data[:, a:b]),
+                   scale=scale)
 
 
 def rms_norm(x: Var, weight: np.ndarray, eps: float, d: int, name: str) -> Var:
@@ -255,7 +300,7 @@ def decoder_layer(x: Var, i: int, w: LayerWeights, io: BlockInputs, k_state: Var
         sin = _widen_table(sin, hd // 2, c.rope_dims // 2)
 
     a = rms_norm(x, w.attn_norm, c.rms_eps, d, p + "attn_norm")
-    qkv = mb.conv(x=a, weight=conv_weight(w.qkv, p + "qkv_w"), name=p + "qkv")
+    qkv = conv_in_chunks(a, w.qkv, p + "qkv")
     if w.qkv_bias is not None:
         qkv = mb.add(x=qkv, y=w.qkv_bias.astype(np.float16).reshape(1, -1, 1, 1),
                      name=p + "qkv_bias")
@@ -283,13 +328,20 @@ def decoder_layer(x: Var, i: int, w: LayerWeights, io: BlockInputs, k_state: Var
 
     o = merge_heads(attention(q, keys, values, io, c, variant.fp32_softmax,
                               variant.additive_mask), c, layout, variant.flatten)
-    x = mb.add(x=x, y=mb.conv(x=o, weight=conv_weight(w.attn_output, p + "o_w")))
+    x = mb.add(x=x, y=_conv(o, w.attn_output, p + "o_w"))
 
-    f = mb.conv(x=rms_norm(x, w.ffn_norm, c.rms_eps, d, p + "ffn_norm"),
-                weight=conv_weight(w.ffn_up, p + "up_w"))
+    f = _conv(rms_norm(x, w.ffn_norm, c.rms_eps, d, p + "ffn_norm"), w.ffn_up, p + "up_w")
     g, u = mb.split(x=f, num_splits=2, axis=1)
-    down = mb.conv(x=mb.mul(x=mb.silu(x=g), y=u), weight=conv_weight(w.ffn_down, p + "down_w"))
+    down = _conv(mb.mul(x=mb.silu(x=g), y=u), w.ffn_down, p + "down_w")
     return mb.add(x=x, y=down, name=out_name or p + "out")
+
+
+def _conv(x: Var, w: ConvWeight, weight_name: str) -> Var:
+    """A conv as decoder_layer always wrote it (unnamed, weight `weight_name`) when its depth is
+    within the ANE's; split into partial sums (conv_in_chunks) when it is not."""
+    if w.shape[1] <= ANE_MAX_REDUCTION:
+        return mb.conv(x=x, weight=conv_weight(w, weight_name))
+    return conv_in_chunks(x, w, weight_name.removesuffix("_w"))
 
 
 def _widen_table(t: Var, width: int, have: int) -> Var:

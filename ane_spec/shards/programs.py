@@ -29,7 +29,7 @@ from ane_spec.shards.layer_graph import (
     GraphVariant,
     LayerWeights,
     Layout,
-    conv_weight,
+    conv_in_chunks,
     hidden_shape,
     decoder_layer,
     rms_norm,
@@ -104,8 +104,8 @@ def head_program(norm: np.ndarray, chunks: Sequence[ConvWeight], c: ModelConfig,
         h = rms_norm(inputs[HIDDEN_IN], norm, c.rms_eps, c.hidden_size, "output_norm")
         outs = []
         for i, w in enumerate(chunks):
-            logits = mb.conv(x=h, weight=conv_weight(w, f"head_{i}_w"),
-                             name=f"chunk_{i}" if argmax else f"logits_{i}")
+            logits = conv_in_chunks(h, w, f"head_{i}",
+                                    out_name=f"chunk_{i}" if argmax else f"logits_{i}")
             if argmax:
                 outs.append(mb.reduce_max(x=logits, axes=[1], keep_dims=True, name=f"max_{i}"))
                 outs.append(mb.reduce_argmax(x=logits, axis=1, keep_dims=True,
