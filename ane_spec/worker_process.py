@@ -208,6 +208,7 @@ class Channel:
     def __init__(self, conn: Any):
         self._conn = conn
         self._attached: dict[str, Any] = {}
+        self._out: tuple[str, int] | None = None  # the output slab of the call being served
 
     def progress(self, message: str) -> None:
         self._conn.send(("progress", message))
@@ -216,6 +217,14 @@ class Channel:
         if name not in self._attached:
             self._attached[name] = _attach(name)
         return self._attached[name].buf
+
+    def output(self, nbytes: int) -> Any | None:
+        """The call's output slab, for a handler that writes its result there itself (and
+        returns `Written`): no copy through its own heap first. None where the slab is smaller
+        than `nbytes` (then return `Outputs`, which grows it)."""
+        if self._out is None or self._out[1] < nbytes:
+            return None
+        return self.buffer(self._out[0])
 
     def close(self) -> None:
         for shm in self._attached.values():
@@ -264,11 +273,17 @@ def _serve(conn: Any, channel: Channel, factory: Callable[[Channel], Any]) -> No
                 result, arrays = None, stash
             else:
                 kwargs = {}
+                channel._out = out
                 if arrays_in is not None:
                     buf = channel.buffer(arrays_in[0])
                     kwargs["arrays"] = {s.name: view(buf, s) for s in arrays_in[1]}
                 result = getattr(handler, method)(*args, **kwargs)
+                channel._out = None
                 arrays = None
+                if isinstance(result, Written):
+                    stash = None
+                    conn.send(("arrays", (result.value, result.specs)))
+                    continue
                 if isinstance(result, Outputs):
                     result, arrays = result.value, result.arrays
             if arrays is None:
@@ -295,6 +310,15 @@ class Outputs:
 
     value: Any
     arrays: dict[str, np.ndarray]
+
+
+@dataclass
+class Written:
+    """A handler's result whose arrays it wrote into the call's output slab itself
+    (`Channel.output`), at `specs`: the parent gets them as it gets `Outputs`' arrays."""
+
+    value: Any
+    specs: list[ArraySpec]
 
 
 # --- the parent ------------------------------------------------------------------------------

@@ -353,3 +353,57 @@ def test_copy_state_lands_through_the_worker(coreml_standin, context_build) -> N
     a = pipeline.run([tokens[-1]], len(tokens) - 1, copy).row_logits(0)
     np.testing.assert_array_equal(a, pipeline.run([tokens[-1]], len(tokens) - 1,
                                                   source).row_logits(0))
+
+
+# --- the head's rows stay in the worker --------------------------------------------------------
+
+def test_a_pass_reads_the_same_rows_as_in_process(coreml_standin, coreml_build) -> None:
+    """One call per pass, the logits kept in the worker (runtime/coreml_worker.py RemoteRows):
+    every row's argmax (with the reply for the rows greedy decoding reads, on demand for the
+    others) and logits are bitwise those of Core ML in this process, and so are the tokens."""
+    from ane_spec.runtime.coreml_backend import CoreMLBackend
+    from ane_spec.runtime.pipeline import ShardPipeline
+
+    out, _ = coreml_build
+    _, worker = open_pipeline(out, "coreml", "fp32")
+    local = ShardPipeline(worker.loaded, CoreMLBackend())
+    states = worker.new_state(), local.new_state()
+    first = local.run([3, 4, 5, 6], 0, states[1])
+    chained = [7]  # every draft the argmax of the row before (row r sees tokens 0..r only)
+    while len(chained) < 4:
+        probe = local.run(chained, 4, local.copy_state(states[1]))
+        chained.append(probe.row_argmax(len(chained) - 1))
+    for tokens, position in (([3, 4, 5, 6], 0), (chained, 4), ([9, 10], 8)):
+        a = worker.run(tokens, position, states[0])
+        b = local.run(tokens, position, states[1]) if position else first
+        assert a.argmax.tolist() == b.argmax.tolist()
+        for r in range(len(tokens)):
+            np.testing.assert_array_equal(a.row_logits(r), b.row_logits(r))
+            assert a.row_native(r).dtype == b.row_native(r).dtype
+    remote = worker.run(chained, 4, worker.copy_state(states[0]))._read_argmax.__self__
+    assert sorted(remote.known) == [0, 1, 2, 3]  # all four came with the pass's reply
+    prompt = list(range(20, 40))
+    want = DecodeSession(local).generate(prompt, GenerateOptions(max_tokens=12)).tokens
+    assert DecodeSession(worker).generate(prompt, GenerateOptions(max_tokens=12)).tokens == want
+
+
+def test_a_non_finite_row_in_the_worker_is_refused_when_read(coreml_standin,
+                                                            coreml_build) -> None:
+    """The NaN rule holds across the boundary: the pass runs, and reading the row (its argmax,
+    its logits) raises NonFiniteLogits naming the row."""
+    from ane_spec.runtime.fp16_argmax import NonFiniteLogits
+
+    out, _ = coreml_build
+    _, pipeline = open_pipeline(out, "coreml", "fp32")
+    state = pipeline.new_state()
+    pipeline.run([5, 6, 7, 8], 0, state)
+    shard = pipeline.shards[0]
+    name = shard.state_names[0]
+    kv = shard.read_state(state.shard_states[0], name)
+    kv[:, :, 2, :] = np.nan
+    shard.write_state(state.shard_states[0], name, kv)
+    result = pipeline.run([9, 9], 4, state)
+    for step in (lambda: result.row_argmax(0), lambda: result.row_logits(0),
+                 lambda: result.row_argmax(1)):
+        with pytest.raises(NonFiniteLogits, match=r"row \d of the pass"):
+            step()

@@ -14,6 +14,12 @@ proxy loads lives in that one worker.
 - Per-pass arrays go through shared memory; outputs come back as views of it, in the values
   and dtype Core ML returns (float32), laid out so that one row of a [1, V, T, 1] head output is
   contiguous.
+- A pipeline pass is one call (`run_pass`: every shard, then the head), and the head's logits
+  stay in the worker (`RemoteRows`): the argmax of the rows greedy decoding reads (row 0, then
+  each row whose draft the row before chose) comes back with the reply, computed there by
+  `fp16_argmax.argmax` on the same row; any other row's argmax, or a row itself (through shared
+  memory), is one more call when read. The NaN rule is the pipeline's: a row is refused when it
+  is read, never before. So a greedy pass costs one round trip and moves no logits.
 - States live in the worker; the parent holds handles (`WorkerState`), dropped there when the
   handle is collected.
 - A worker that dies fails the call with `WorkerDied` (naming how and during what, the shard's
@@ -24,6 +30,7 @@ proxy loads lives in that one worker.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import weakref
@@ -35,7 +42,10 @@ import numpy as np
 from ane_spec.errors import AneSpecError
 from ane_spec.runtime.coreml_backend import count_shape_switch
 from ane_spec.runtime.decode_shape import RESHAPE_FREQUENCIES, ReshapeFrequency
-from ane_spec.worker_process import Channel, Outputs, WorkerDied, WorkerProcess
+from ane_spec.runtime.fp16_argmax import NonFiniteLogits, argmax
+from ane_spec.worker_process import (
+    ArraySpec, Channel, Outputs, WorkerDied, WorkerProcess, Written, view,
+)
 
 __all__ = ["CoreMLWorkerBackend", "StateLost", "WorkerDied"]
 
@@ -47,6 +57,14 @@ class StateLost(AneSpecError):
 class CoreMLFailure(AneSpecError):
     """Core ML refused or failed a call (its own error text, with the program it was for): a
     server-side fault, never the client's."""
+
+
+class _StepFailed(AneSpecError):
+    """Core ML's own error at one program of a pass (`run_pass`): the parent names it."""
+
+    def __init__(self, step: int, kind: str, text: str):
+        super().__init__(step, kind, text)
+        self.step, self.kind, self.text = step, kind, text
 
 
 # --- the child -------------------------------------------------------------------------------
@@ -61,6 +79,8 @@ class _Handler:
         self.backend = CoreMLBackend(compute_units, reshape_frequency)  # type: ignore[arg-type]
         self.programs: dict[int, Any] = {}
         self.states: dict[int, tuple[int, Any]] = {}
+        self.heads: dict[int, tuple[dict[str, np.ndarray], HeadRows]] = {}
+        self._scratch: np.ndarray | None = None
 
     def load(self, pid: int, package: str, sha256: str | None) -> None:
         self.programs[pid] = self.backend.load(Path(package), sha256=sha256)
@@ -78,11 +98,103 @@ class _Handler:
         state = None if sid is None else self.states[sid][1]
         return Outputs(None, self.programs[pid].predict(arrays, state))
 
+    def run_pass(self, shards: list[tuple[int, int | None]], dropped: list[int],
+                 head: int, hid: int, dropped_heads: list[int], rows: HeadRows,
+                 chain: list[int], *, arrays: dict[str, np.ndarray]) -> list[int | None]:
+        """One pass in one call: `arrays["x"]` through the shards (pid, state id) in order, each
+        with the other arrays as its inputs, then the head. The head's prediction is kept here
+        under `hid` until the parent drops it; its rows cross when read (`head_row`,
+        `head_argmax`). Returned: the argmax of the rows greedy decoding reads (`_chain`)."""
+        self.drop_states(dropped)
+        inputs = dict(arrays)
+        hidden = inputs.pop("x")
+        step = 0
+        try:
+            for step, (pid, sid) in enumerate(shards):
+                state = None if sid is None else self.states[sid][1]
+                hidden = self.programs[pid].predict({"x": hidden, **inputs}, state)["hidden"]
+            step = len(shards)
+            return self.predict_head(head, hid, dropped_heads, rows, chain,
+                                     arrays={"x": hidden})
+        except AneSpecError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - Core ML's own: the parent names the program
+            raise _StepFailed(step, type(exc).__name__, str(exc).strip()) from None
+
+    def predict_head(self, pid: int, hid: int, dropped: list[int], rows: HeadRows,
+                     chain: list[int], *, arrays: dict[str, np.ndarray]) -> list[int | None]:
+        for old in dropped:
+            self.heads.pop(old, None)
+        self.heads[hid] = (self.programs[pid].predict(arrays, None), rows)
+        return self._chain(hid, chain)
+
+    def _chain(self, hid: int, tokens: list[int]) -> list[int | None]:
+        """The argmax of row 0, then of each next row while the row before chose the token that
+        follows it in `tokens` (a greedy verifier reads row i + 1 only when draft i + 1 is
+        accepted): None for a non-finite row, which ends the chain. Rows past it are read on
+        demand; the parent raises for a None row only when that row is read."""
+        known: list[int | None] = []
+        for r in range(len(tokens)):
+            try:
+                best = self.head_argmax(hid, r)
+            except NonFiniteLogits:
+                known.append(None)
+                break
+            known.append(best)
+            if r + 1 >= len(tokens) or best != tokens[r + 1]:
+                break
+        return known
+
+    def _gather(self, hid: int, r: int, out: np.ndarray | None) -> np.ndarray:
+        """Row r of a kept head prediction: the same strided copy per chunk, into a row of the
+        head's own dtype, that the in-process pipeline makes (`ShardPipeline._read_head`), into
+        `out` where given, else into this worker's reused scratch row."""
+        outputs, rows = self.heads[hid]
+        views = [rows.token_major(outputs[name]) for name in rows.names]
+        shape, dtype = (rows.chunks[-1][1],), views[0].dtype
+        if out is None:
+            if self._scratch is None or self._scratch.shape != shape \
+                    or self._scratch.dtype != dtype:
+                self._scratch = np.empty(shape, dtype)
+            out = self._scratch
+        for (start, end), v in zip(rows.chunks, views):
+            out[start:end] = v[r]
+        return out
+
+    def head_row(self, hid: int, r: int) -> Written | Outputs:
+        """Row r, gathered straight into the call's output slab (no copy through this heap)."""
+        outputs, rows = self.heads[hid]
+        dtype = outputs[rows.names[0]].dtype
+        spec = ArraySpec("row", dtype.str, (rows.chunks[-1][1],), 0, False)
+        buf = self.channel.output(dtype.itemsize * spec.shape[0])
+        if buf is None:
+            return Outputs(None, {"row": self._gather(hid, r, np.empty(spec.shape, dtype))})
+        self._gather(hid, r, view(buf, spec))
+        return Written(None, [spec])
+
+    def head_argmax(self, hid: int, r: int) -> int:
+        """Row r's argmax, by the same function on the same values as the caller would use
+        (`fp16_argmax.argmax`, which refuses a non-finite row): only the index crosses."""
+        return argmax(self._gather(hid, r, None))
+
     def read_state(self, pid: int, sid: int, name: str) -> np.ndarray:
         return self.programs[pid].read_state(self.states[sid][1], name)
 
     def write_state(self, pid: int, sid: int, name: str, value: np.ndarray) -> None:
         self.programs[pid].write_state(self.states[sid][1], name, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadRows:
+    """How a head prediction's rows are read: its logits outputs in vocabulary order, their
+    [start, end) ranges, and the hidden layout (BCT1: [1, V_i, T, 1]; else [1, V_i, 1, T])."""
+
+    names: tuple[str, ...]
+    chunks: tuple[tuple[int, int], ...]
+    layout: str
+
+    def token_major(self, x: np.ndarray) -> np.ndarray:
+        return (x[0, :, :, 0] if self.layout == "BCT1" else x[0, :, 0, :]).T
 
 
 def _weak(method: Any) -> Any:
@@ -167,6 +279,38 @@ class WorkerProgram:
                            during=f"write_state {name} of {self.label}")
 
 
+class RemoteRows:
+    """One head prediction kept in the worker (until this is collected): `read_row(r)` brings
+    row r ([V], the head's dtype, the values Core ML returned) across through shared memory;
+    `argmax(r)` brings only its argmax, computed there by `fp16_argmax.argmax` on the same row,
+    so greedy decoding moves no logits across at all. Either raises NonFiniteLogits for a row
+    that is not all finite."""
+
+    def __init__(self, program: WorkerProgram, hid: int, generation: int,
+                 known: list[int | None]):
+        self.program, self.hid, self.generation = program, hid, generation
+        self.known = dict(enumerate(known))  # argmax already computed (None: not finite)
+
+    def _call(self, method: str, r: int, what: str) -> Any:
+        backend = self.program.backend
+        if backend.worker.generation != self.generation:
+            raise StateLost(f"this pass's logits lived in a Core ML worker that has died since "
+                            f"({backend.worker.health()['last_death']}); run the pass again")
+        return backend._call(method, self.hid, int(r),
+                             during=f"reading {what} of row {r} of {self.program.label}")
+
+    def read_row(self, r: int) -> np.ndarray:
+        return self._call("head_row", r, "the logits")[1]["row"]
+
+    def argmax(self, r: int) -> int:
+        if r in self.known:
+            best = self.known[r]
+            if best is None:
+                raise NonFiniteLogits()
+            return best
+        return self._call("head_argmax", r, "the argmax")
+
+
 class CoreMLWorkerBackend:
     """Core ML in a worker process: the `Backend` the pipeline sees on macOS."""
 
@@ -187,6 +331,7 @@ class CoreMLWorkerBackend:
         self._ids = 0
         self._id_lock = threading.Lock()
         self._dropped: list[int] = []
+        self._dropped_heads: list[int] = []  # head predictions kept in the worker, now unread
         self._loaded_generation = 0
         self.worker = WorkerProcess(
             "Core ML worker",
@@ -224,6 +369,7 @@ class CoreMLWorkerBackend:
 
     def _load_all(self, worker: WorkerProcess) -> None:
         self._dropped[:] = []
+        self._dropped_heads[:] = []
         for program in self.programs:
             self._load(program)
         self._loaded_generation = worker.generation
@@ -231,6 +377,41 @@ class CoreMLWorkerBackend:
     def _load(self, program: WorkerProgram) -> None:
         self._call("load", program.pid, str(program.package), program.sha256,
                    during=f"load of {program.label}")
+
+    def _kept(self, head: WorkerProgram, hid: int, known: list[int | None]) -> RemoteRows:
+        remote = RemoteRows(head, hid, self.worker.generation, known)
+        weakref.finalize(remote, self._dropped_heads.append, hid)
+        return remote
+
+    def run_pass(self, shards: list[WorkerProgram], states: list[Any], hidden: np.ndarray,
+                 inputs: dict[str, np.ndarray], head: WorkerProgram, rows: HeadRows,
+                 chain: list[int]) -> RemoteRows:
+        """`hidden` through every shard (with `inputs`, and its state) and the head, in one call
+        to the worker: the hidden states between programs never cross, and neither do the
+        logits (`RemoteRows`). The same predictions, in the same order, on the
+        same values as one call per program."""
+        arrays = {k: np.asarray(v, dtype=np.float16) for k, v in {"x": hidden, **inputs}.items()}
+        calls = []
+        for program, state in zip(shards, states):
+            if program.state_names and state is None:
+                raise AneSpecError("this program is stateful: pass a state from make_state()")
+            calls.append((program.pid, program._state_id(state)))
+            program._last_shapes = count_shape_switch(self.reshape_frequency,
+                                                      program._last_shapes, arrays)
+        head._last_shapes = count_shape_switch(self.reshape_frequency, head._last_shapes,
+                                               {"x": arrays["x"]})
+        hid = self._next_id()
+        dropped, self._dropped[:] = list(self._dropped), []
+        dropped_heads, self._dropped_heads[:] = list(self._dropped_heads), []
+        labels = [p.label for p in [*shards, head]]
+        try:
+            known = self._call("run_pass", calls, dropped, head.pid, hid, dropped_heads, rows,
+                               list(chain), arrays=arrays,
+                               during=f"predict on {', then '.join(labels)}")
+        except _StepFailed as exc:  # as one call per program would have said it
+            raise CoreMLFailure(f"Core ML failed during predict on {labels[exc.step]}: "
+                                f"{exc.kind}: {exc.text}") from None
+        return self._kept(head, hid, known)
 
     def _call(self, method: str, *args: Any, during: str,
               arrays: dict[str, np.ndarray] | None = None) -> Any:

@@ -46,13 +46,18 @@ class BlockOutput:
     read, whatever asks for it, so a row yields one token or an error however it is used; a
     --head-argmax row checks its winning maximum (the only value such a head reports: a NaN or
     -inf inside a chunk that lost is not seen).
+
+    `read_argmax` (Core ML's worker process, where the rows live): a row's argmax by the same
+    function on the same row, without bringing the row across; it refuses a non-finite row too.
     """
 
     def __init__(self, rows: int, read_row: Callable[[int], np.ndarray] | None, *,
+                 read_argmax: Callable[[int], int] | None = None,
                  argmax: np.ndarray | None = None, max_logit: np.ndarray | None = None,
                  backend_seconds: float = 0.0, host_seconds: float = 0.0):
         self.rows = rows
         self._read_row = read_row
+        self._read_argmax = read_argmax
         self._native: dict[int, np.ndarray] = {}
         self._logits: dict[int, np.ndarray] = {}
         self._argmax = {} if argmax is None else dict(enumerate(int(a) for a in argmax))
@@ -98,7 +103,13 @@ class BlockOutput:
         if self._max_logit is not None and not np.isfinite(self._max_logit[i]):
             raise NonFiniteLogits(f"row {i} of the pass")  # a --head-argmax row
         if i not in self._argmax:
-            self.row_native(i)
+            if self._read_argmax is None:
+                self.row_native(i)
+            else:  # the same function on the same row, where the row lives (a worker)
+                try:
+                    self._argmax[i] = self._read_argmax(i)
+                except NonFiniteLogits:
+                    raise NonFiniteLogits(f"row {i} of the pass") from None
         return self._argmax[i]
 
     def row_values(self, i: int, ids: np.ndarray) -> np.ndarray:
@@ -289,11 +300,27 @@ class ShardPipeline:
         host = time.perf_counter() - t0
 
         t1 = time.perf_counter()
-        outputs = self.head.predict({"x": self.run_shards(hidden, inputs, state)})
+        run_pass = None if self.head_argmax else getattr(self.backend, "run_pass", None)
+        if run_pass is not None:
+            # Core ML in its worker process: the whole pass is one call, and the logits stay
+            # there; a row crosses when it is read, an argmax without its row, the argmax of
+            # the rows greedy decoding reads with the reply (runtime/coreml_worker.py): the same
+            # values as `_read_head` reads here.
+            from ane_spec.runtime.coreml_worker import HeadRows
+
+            chunks = self.manifest.head.chunks
+            kept = run_pass(self.shards, state.shard_states, hidden, inputs, self.head,
+                            HeadRows(tuple(f"logits_{i}" for i in range(len(chunks))),
+                                     tuple((int(a), int(b)) for a, b in chunks), self.layout),
+                            list(tokens[:rows]))
+        else:
+            outputs = self.head.predict({"x": self.run_shards(hidden, inputs, state)})
         backend = time.perf_counter() - t1
 
         t2 = time.perf_counter()
-        result = self._read_head(outputs, rows)
+        result = (BlockOutput(rows, kept.read_row, read_argmax=kept.argmax)
+                  if run_pass is not None
+                  else self._read_head(outputs, rows))
         result.backend_seconds = backend
         result.host_seconds = host + time.perf_counter() - t2
         return result
