@@ -238,7 +238,10 @@ class ShardPipeline:
             for name in shard.state_names:
                 value = shard.read_state(src, name)
                 shard.write_state(dst, name, value)
-                if not np.array_equal(shard.read_state(dst, name), value):
+                # Bit for bit: NaN is not equal to itself, and a probe may copy a NaN cache.
+                back = np.asarray(shard.read_state(dst, name))
+                if back.shape != value.shape or back.dtype != value.dtype or \
+                        back.tobytes() != np.asarray(value).tobytes():
                     raise AneSpecError(f"shard {k}: state '{name}' written with write_state "
                                        "reads back different values: the write did not land")
         return copy
