@@ -117,8 +117,10 @@ def test_openai_agents_default_run(fenced_on_synthetic) -> None:
                          model_settings=agents.ModelSettings(max_tokens=120, temperature=0))
     try:
         agents.Runner.run_sync(agent, QUESTION, max_turns=2)
-    except agents.exceptions.MaxTurnsExceeded:
-        pass
+    except (agents.exceptions.MaxTurnsExceeded, agents.exceptions.ModelBehaviorError) as exc:
+        # After the call, the answer may run past max_tokens (the SDK calls the "incomplete"
+        # response a model error); the call itself must have come first.
+        assert calls, exc
     assert calls and all(isinstance(c, str) and c for c in calls), calls
 
 
