@@ -148,15 +148,15 @@ def check_calls(calls: list[dict[str, Any]], tools: list[Tool]) -> str | None:
 class CallSyntax:
     """How a format writes its calls, for `ToolCallParser`.
 
-    `start`: the text that opens the calls, content before it (None: the output is a call when
-    its first non-space character is `{`, else all content: Llama 3). `header`: a call's start
+    `start`: the text that opens the calls, content before it (the Hermes and Llama 3 forms,
+    with and without markers, are read by call_forms.py). `header`: a call's start
     through its arguments' first character (group 1: the name, a JSON string body); it is
     complete only once that character has arrived, so that a piece ending between ':' and an
     optional space cannot put the space into the streamed arguments. `close`: the call
     object's own brace. `end` / `end_marker`: the end of the calls, where there is one.
     `single`: one call per turn."""
 
-    start: str | None
+    start: str
     header: re.Pattern[str]
     close: re.Pattern[str]
     end: re.Pattern[str] | None = None
@@ -185,9 +185,8 @@ class ToolCallParser:
 
     def __init__(self, syntax: CallSyntax = PHI4_SYNTAX) -> None:
         self.syntax = syntax
-        # Content, held back at a partial start marker (or, for Llama 3, leading whitespace).
-        self._content: StopMatcher | _LeadingBrace = (
-            _LeadingBrace() if syntax.start is None else StopMatcher([syntax.start]))
+        # Content, held back at a partial start marker.
+        self._content = StopMatcher([syntax.start])
         self._done = False
         self._call_text = ""
         self._pos = 0           # cursor into _call_text
@@ -279,35 +278,6 @@ class ToolCallParser:
             self._depth -= 1
             if self._depth == 0:
                 self._state = "close"
-
-
-class _LeadingBrace:
-    """Llama 3's calls have no start marker: the output is a call when its first non-space
-    character is `{` (llama.cpp's trigger pattern, anchored at the output's start), and all
-    content otherwise. The `StopMatcher` interface `ToolCallParser` reads."""
-
-    def __init__(self) -> None:
-        self.held, self.tail = "", ""
-        self.stopped = self._text = False
-
-    def push(self, text: str) -> str:
-        if self.stopped:
-            return ""
-        if self._text:
-            return text
-        self.held += text
-        rest = self.held.lstrip()
-        if not rest:
-            return ""
-        if rest[0] == "{":
-            self.stopped, self.tail, self.held = True, self.held, ""
-            return ""
-        self._text, out, self.held = True, self.held, ""
-        return out
-
-    def flush(self) -> str:
-        out, self.held = ("" if self.stopped else self.held), ""
-        return out
 
 
 def _one_per_index(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
