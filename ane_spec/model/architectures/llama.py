@@ -8,5 +8,5 @@ ARCHITECTURE = Architecture(
     rope_factors="freqs", partial_rotary=False,
     vocab_family="llama3",
     quirks=("separate q/k/v and gate/up", "NORM (adjacent-pair) RoPE",
-            "optional rope_freqs frequency divisors (Llama 3.1+)", "BOS added"),
+            "optional rope_freqs frequency divisors (Llama 3.1+)"),
 )
