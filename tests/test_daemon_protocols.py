@@ -664,9 +664,13 @@ def test_fim_suffix_on_ollama_generate_v1_completions_and_infill(fim_server) -> 
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == ref
     assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    # /infill is llama-server's repo-level prompt: with the vocabulary's repo and file-separator
+    # tokens it opens with `<|repo_name|>myproject\n<|file_sep|>filename\n` (format_prompt_infill).
+    repo = ([tok.id_of("<|repo_name|>")] + tok.encode("myproject\n")
+            + [tok.id_of("<|file_sep|>")] + tok.encode("filename\n"))
     r = httpx.post(f"{url}/infill", json={"input_prefix": prefix, "input_suffix": suffix,
                                           "n_predict": 8}, timeout=120)
-    assert r.json()["content"] == ref
+    assert r.json()["content"] == v1_text(url, repo + ids, 8)
     # the model's listings say what it is, and that it can insert
     with open_gguf(gguf) as m:
         count, file_type = m.parameter_count, m.file_type_name
