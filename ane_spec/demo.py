@@ -17,6 +17,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from ane_spec.assets import tiny_code_card, tiny_code_model
 from ane_spec.decode.sampling import SamplingParams
@@ -137,29 +138,20 @@ def run_demo(out: str | Path = "local-artifacts/demo", *, say=print,
     prompt = pipeline.tokenizer.encode(DEMO_PROMPT)
     # Warm every pass shape first, so neither timed run pays first-call costs.
     DecodeSession(pipeline).generate(prompt[:8], GenerateOptions(max_tokens=8))
-    runs = {}
-    for speculative in (False, True):
-        runs[speculative] = DecodeSession(pipeline).generate(prompt, GenerateOptions(
-            max_tokens=DEMO_NEW_TOKENS, speculative=speculative, sampling=DEMO_SAMPLING))
+    runs = _plain_and_speculative(pipeline, prompt, GenerateOptions(
+        max_tokens=DEMO_NEW_TOKENS, sampling=DEMO_SAMPLING))
     say("   --- prompt " + "-" * 60)
     say(_indent(DEMO_PROMPT.rstrip("\n")))
     say("   --- completion " + "-" * 55)
     say(_indent(runs[False].text.rstrip("\n")))
     say("   " + "-" * 72)
-    for speculative, label in ((False, "greedy, one token per pass"),
-                               (True, "speculative (n-gram drafts + T=4 verify)")):
-        say(f"   {label}: {runs[speculative].stats.summary()}")
-    same = runs[True].tokens == runs[False].tokens
-    plain_rate = runs[False].stats.to_dict()["decode_tok_s"]
-    spec_rate = runs[True].stats.to_dict()["decode_tok_s"]
-    say(f"   identical tokens: {'yes' if same else 'NO'} ({len(runs[False].tokens)} tokens); "
-        f"speedup {spec_rate / plain_rate:.2f}x on {pipeline.backend.describe()}")
+    same, speedup = _report_runs(runs, say, f" on {pipeline.backend.describe()}")
 
     say(f"\nDone in {time.monotonic() - started:.0f}s. Serve it to any OpenAI client with:")
     say(f"   ane-spec serve --manifest {artifacts}")
     if shutil.which("ane-spec") is None:
         say(f"   ({sys.executable} -m ane_spec.cli serve --manifest {artifacts})")
-    return {"identical": same, "speedup": spec_rate / plain_rate, "manifest": str(artifacts),
+    return {"identical": same, "speedup": speedup, "manifest": str(artifacts),
             "prompt": DEMO_PROMPT, "completion": runs[False].text}
 
 
@@ -214,16 +206,33 @@ def run_model_demo(model: str, out: str | Path = "local-artifacts/demo", *, say=
     say(f"4. chat ({len(prompt)} prompt tokens through the model's chat template; greedy, the "
         f"same prompt with and without speculation, {pipeline.backend.describe()})")
     DecodeSession(pipeline).generate(prompt[:8], GenerateOptions(max_tokens=4))  # warm shapes
-    runs = {}
-    for speculative in (False, True):
-        runs[speculative] = DecodeSession(pipeline).generate(prompt, GenerateOptions(
-            max_tokens=max_tokens, speculative=speculative))
+    runs = _plain_and_speculative(pipeline, prompt, GenerateOptions(max_tokens=max_tokens))
     for m in messages:
         say(f"   --- {m['role']} " + "-" * max(0, 66 - len(m["role"])))
         say(_indent(str(m["content"])))
     say("   --- assistant " + "-" * 56)
     say(_indent(runs[False].text.strip("\n")))
     say("   " + "-" * 72)
+    same, speedup = _report_runs(runs, say)
+
+    say(f"\nDone in {time.monotonic() - started:.0f}s. Serve it to any OpenAI client with:")
+    say(f"   ane-spec serve --manifest {artifacts}")
+    if shutil.which("ane-spec") is None:
+        say(f"   ({sys.executable} -m ane_spec.cli serve --manifest {artifacts})")
+    return {"identical": same, "speedup": speedup, "manifest": str(artifacts), "gguf": str(gguf),
+            "prompt_tokens": prompt, "reply": runs[False].text, "tokens": runs[False].tokens}
+
+
+def _plain_and_speculative(pipeline, prompt: list[int], options: GenerateOptions  # noqa: ANN001
+                           ) -> dict[bool, Any]:
+    """The same prompt decoded without (False) and with (True) speculation."""
+    return {speculative: DecodeSession(pipeline).generate(
+        prompt, options.model_copy(update={"speculative": speculative}))
+        for speculative in (False, True)}
+
+
+def _report_runs(runs: dict[bool, Any], say, where: str = "") -> tuple[bool, float]:  # noqa: ANN001
+    """Both runs' stats, whether their tokens are identical, and the speed-up."""
     for speculative, label in ((False, "greedy, one token per pass"),
                                (True, "speculative (n-gram drafts + T=4 verify)")):
         say(f"   {label}: {runs[speculative].stats.summary()}")
@@ -232,14 +241,8 @@ def run_model_demo(model: str, out: str | Path = "local-artifacts/demo", *, say=
     spec_rate = runs[True].stats.to_dict()["decode_tok_s"]
     speedup = spec_rate / plain_rate if plain_rate else float("nan")
     say(f"   identical tokens: {'yes' if same else 'NO'} ({len(runs[False].tokens)} tokens); "
-        f"speedup {speedup:.2f}x")
-
-    say(f"\nDone in {time.monotonic() - started:.0f}s. Serve it to any OpenAI client with:")
-    say(f"   ane-spec serve --manifest {artifacts}")
-    if shutil.which("ane-spec") is None:
-        say(f"   ({sys.executable} -m ane_spec.cli serve --manifest {artifacts})")
-    return {"identical": same, "speedup": speedup, "manifest": str(artifacts), "gguf": str(gguf),
-            "prompt_tokens": prompt, "reply": runs[False].text, "tokens": runs[False].tokens}
+        f"speedup {speedup:.2f}x{where}")
+    return same, speedup
 
 
 def _indent(text: str) -> str:

@@ -30,6 +30,13 @@ COMPUTE_UNITS = ("ALL", "CPU_ONLY", "CPU_AND_GPU", "CPU_AND_NE")  # coremltools.
 MIN_MACOS = (15, 0)
 
 
+def check_reshape_frequency(name: str) -> ReshapeFrequency:
+    if name not in RESHAPE_FREQUENCIES:
+        raise AneSpecError(f"unknown reshape frequency '{name}' (choose "
+                           f"{' or '.join(RESHAPE_FREQUENCIES)})")
+    return name  # type: ignore[return-value]
+
+
 def check_compute_units(name: str) -> str:
     if name not in COMPUTE_UNITS:
         raise AneSpecError(f"unknown compute units '{name}' (choose one of "
@@ -243,10 +250,7 @@ class CoreMLBackend:
     def __init__(self, compute_units: str = "CPU_AND_NE",
                  reshape_frequency: ReshapeFrequency = "Infrequent"):
         self.compute_units = check_compute_units(compute_units)
-        if reshape_frequency not in RESHAPE_FREQUENCIES:
-            raise AneSpecError(f"unknown reshape frequency '{reshape_frequency}' (choose "
-                               f"{' or '.join(RESHAPE_FREQUENCIES)})")
-        self.reshape_frequency: ReshapeFrequency = reshape_frequency
+        self.reshape_frequency = check_reshape_frequency(reshape_frequency)
         require_macos("the Core ML backend", "use --backend mil")
 
     def load(self, package: Path, *, sha256: str | None = None) -> CoreMLProgram:

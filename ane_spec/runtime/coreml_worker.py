@@ -41,7 +41,7 @@ import numpy as np
 
 from ane_spec.errors import AneSpecError
 from ane_spec.runtime.coreml_backend import count_shape_switch
-from ane_spec.runtime.decode_shape import RESHAPE_FREQUENCIES, ReshapeFrequency
+from ane_spec.runtime.decode_shape import ReshapeFrequency
 from ane_spec.runtime.fp16_argmax import NonFiniteLogits, argmax
 from ane_spec.worker_process import (
     ArraySpec, Channel, Outputs, WorkerDied, WorkerProcess, Written, view,
@@ -319,13 +319,11 @@ class CoreMLWorkerBackend:
 
     def __init__(self, compute_units: str = "CPU_AND_NE",
                  reshape_frequency: ReshapeFrequency = "Infrequent"):
-        from ane_spec.runtime.coreml_backend import check_compute_units, require_macos
+        from ane_spec.runtime.coreml_backend import (
+            check_compute_units, check_reshape_frequency, require_macos)
 
         self.compute_units = check_compute_units(compute_units)
-        if reshape_frequency not in RESHAPE_FREQUENCIES:
-            raise AneSpecError(f"unknown reshape frequency '{reshape_frequency}' (choose "
-                               f"{' or '.join(RESHAPE_FREQUENCIES)})")
-        self.reshape_frequency: ReshapeFrequency = reshape_frequency
+        self.reshape_frequency = check_reshape_frequency(reshape_frequency)
         require_macos("the Core ML backend", "use --backend mil")
         self.programs: list[WorkerProgram] = []
         self._ids = 0
