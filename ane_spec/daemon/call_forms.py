@@ -41,6 +41,7 @@ from functools import lru_cache
 from typing import Any
 
 from ane_spec.daemon.protocol import NamedToolChoice, Tool, tool_call_delta
+from ane_spec.daemon.tools import JsonScan
 from ane_spec.decode.grammar import JSON_OPTIONS
 from ane_spec.decode.json_tightening import tighten
 
@@ -232,8 +233,7 @@ class FormParser:
         self._opening: re.Match[str] | None = None
         self._kind = ""
         self._closed = 0
-        self._depth = 0
-        self._in_string = self._escaped = False
+        self._json = JsonScan()
         self._triggers = True    # false after a single-call family's call
 
     @property
@@ -293,7 +293,7 @@ class FormParser:
                             "function": {"name": name, "arguments": ""}}
                     self.calls.append(call)
                     deltas.append(tool_call_delta(len(self.calls) - 1, call["id"], name, ""))
-                    self._pos, self._state, self._depth = m.end(), "arguments", 0
+                    self._pos, self._state, self._json.depth = m.end(), "arguments", 0
                     continue
                 if not final and header.could_become(s[pos:]):
                     break
@@ -319,14 +319,14 @@ class FormParser:
                     break
                 self._closed = len(self.calls)
                 # The rest of the call's object (a JSON form), up to its own brace.
-                self._depth = 1 if self._kind == "json" else 0
-                self._state = "object" if self._depth else "closers"
+                self._json.depth = 1 if self._kind == "json" else 0
+                self._state = "object" if self._json.depth else "closers"
                 continue
             if self._state == "object":
-                while self._pos < len(s) and self._depth:
+                while self._pos < len(s) and self._json.depth:
                     self._step(s[self._pos])
                     self._pos += 1
-                if self._depth:
+                if self._json.depth:
                     break
                 self._state = "closers"
                 continue
@@ -354,22 +354,8 @@ class FormParser:
         return len(s)
 
     def _step(self, ch: str) -> None:
-        if self._in_string:
-            if self._escaped:
-                self._escaped = False
-            elif ch == "\\":
-                self._escaped = True
-            elif ch == '"':
-                self._in_string = False
-            return
-        if ch == '"':
-            self._in_string = True
-        elif ch in "{[":
-            self._depth += 1
-        elif ch in "}]":
-            self._depth -= 1
-            if self._depth == 0 and self._state == "arguments":
-                self._state = "object"
+        if self._json.step(ch) and self._state == "arguments":
+            self._state = "object"
 
 
 def _one_per_index(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:

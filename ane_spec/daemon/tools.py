@@ -171,6 +171,34 @@ PHI4_SYNTAX = CallSyntax(
     close=re.compile(r"\s*\}"), end=re.compile(r"\s*\]"), end_marker=TOOL_CALL_END)
 
 
+class JsonScan:
+    """Where a JSON value being streamed ends: bracket depth outside strings, so a `}` inside a
+    string or after a backslash does not count. `step` is True when a closing bracket brings
+    the depth to zero."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = self.escaped = False
+
+    def step(self, ch: str) -> bool:
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\":
+                self.escaped = True
+            elif ch == '"':
+                self.in_string = False
+            return False
+        if ch == '"':
+            self.in_string = True
+        elif ch in "{[":
+            self.depth += 1
+        elif ch in "}]":
+            self.depth -= 1
+            return self.depth == 0
+        return False
+
+
 class ToolCallParser:
     """Splits generated text (special tokens rendered) into content and tool calls, piece by
     piece, so a stream can send OpenAI's tool-call deltas as the arguments are generated.
@@ -191,8 +219,7 @@ class ToolCallParser:
         self._call_text = ""
         self._pos = 0           # cursor into _call_text
         self._state = "header"  # -> "arguments" -> "close" -> "header" ...
-        self._depth = 0         # nesting depth inside a call's arguments
-        self._in_string = self._escaped = False
+        self._json = JsonScan()  # inside a call's arguments
         self._closed = 0        # calls whose arguments are whole
         self.calls: list[dict[str, Any]] = []  # {"id", "type", "function": {name, arguments}}
 
@@ -235,7 +262,7 @@ class ToolCallParser:
                             "function": {"name": name, "arguments": ""}}
                     self.calls.append(call)
                     deltas.append(tool_call_delta(len(self.calls) - 1, call["id"], name, ""))
-                    self._pos, self._depth, self._state = m.end(), 0, "arguments"
+                    self._pos, self._json.depth, self._state = m.end(), 0, "arguments"
                     continue
                 if (self.calls and syntax.end is not None and syntax.end.match(s, self._pos)) \
                         or (syntax.end_marker is not None and syntax.end_marker in s[self._pos:]):
@@ -262,22 +289,8 @@ class ToolCallParser:
         return deltas
 
     def _step(self, ch: str) -> None:
-        if self._in_string:
-            if self._escaped:
-                self._escaped = False
-            elif ch == "\\":
-                self._escaped = True
-            elif ch == '"':
-                self._in_string = False
-            return
-        if ch == '"':
-            self._in_string = True
-        elif ch in "{[":
-            self._depth += 1
-        elif ch in "}]":
-            self._depth -= 1
-            if self._depth == 0:
-                self._state = "close"
+        if self._json.step(ch):
+            self._state = "close"
 
 
 def _one_per_index(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
