@@ -39,6 +39,8 @@ def test_arrays_round_trip(setup, tmp_path: Path) -> None:
     # Float keys are stored as f32 (rms_eps, attention factor): equal up to that rounding.
     read, written = m.config.model_dump(), config.model_dump()
     assert read.pop("arch") == written.pop("arch") == "phi3"
+    for key in ("swa_layers", "query_scale"):  # not numbers: compared exactly
+        assert read.pop(key) == written.pop(key)
     assert read == pytest.approx(written, rel=1e-6)
     assert m.tokenizer_data == vocab
     assert m.metadata["general.name"] == "tiny-code" and m.file_type == "Q8_0"

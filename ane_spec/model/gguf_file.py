@@ -193,12 +193,17 @@ def layer_tensor_shapes(config: ModelConfig, i: int) -> dict[str, tuple[int, ...
     if a.qk_norm:
         shapes |= {p + "attn_q_norm.weight": (config.head_dim,),
                    p + "attn_k_norm.weight": (config.head_dim,)}
-    shapes |= {p + "attn_output.weight": (d, q), p + "ffn_norm.weight": (d,)}
+    shapes[p + "attn_output.weight"] = (d, q)
+    if a.post_norms:
+        shapes[p + "post_attention_norm.weight"] = (d,)
+    shapes[p + "ffn_norm.weight"] = (d,)
     if a.fused_gate_up:
         shapes[p + "ffn_up.weight"] = (2 * f, d)
     else:
         shapes |= {p + "ffn_gate.weight": (f, d), p + "ffn_up.weight": (f, d)}
     shapes[p + "ffn_down.weight"] = (d, f)
+    if a.post_norms:
+        shapes[p + "post_ffw_norm.weight"] = (d,)
     return shapes
 
 
@@ -256,13 +261,21 @@ class GGUFModel:
             return np.ones(self.config.rope_dims // 2, dtype=np.float32)
         return t.dequantize(np.float32)
 
-    def rope_spec(self, context_window: int) -> RopeSpec:
+    def rope_spec(self, context_window: int, *, local: bool = False) -> RopeSpec:
         """RoPE for a context window; for LongRoPE the window picks the factor set, as in
-        llama.cpp; llama's `rope_freqs` apply at every window."""
+        llama.cpp; llama's `rope_freqs` apply at every window. `local=True`: the tables of the
+        sliding-window layers (llama_model::get_rope_freq_base/scale: base_swa, scale 1)."""
         c = self.config
         if not 0 < context_window <= c.context_length:
             raise ConfigError(f"context window {context_window} is outside 1..{c.context_length} "
                               "(the model's context_length)")
+        if local:
+            ones = np.ones(c.rope_dims // 2, dtype=np.float32)
+            return make_rope_spec(rope_dims=c.rope_dims, freq_base=c.rope_freq_base_swa,
+                                  attn_factor=c.rope_attn_factor, freq_scale=1.0,
+                                  original_context_length=c.original_context_length,
+                                  context_window=context_window, short_factors=ones,
+                                  long_factors=ones, factor_set="none")
         common = dict(rope_dims=c.rope_dims, freq_base=c.rope_freq_base,
                       attn_factor=c.rope_attn_factor, freq_scale=c.rope_freq_scale,
                       original_context_length=c.original_context_length,

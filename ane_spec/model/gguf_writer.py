@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import quantize as gguf_quantize
 
 from ane_spec.errors import ConfigError
-from ane_spec.model.config import ModelConfig
+from ane_spec.model.config import ModelConfig, swa_flags
 from ane_spec.model.gguf_file import expected_tensor_shapes, optional_tensor_shapes
 from ane_spec.model.quant import Q8_0_BLOCK, Q8_0_BLOCK_BYTES, q8_0_quantize
 from ane_spec.model.tokenizer import TokenizerData
@@ -163,7 +163,7 @@ def _add_metadata(w: GGUFWriter, c: ModelConfig, vocab: TokenizerData, name: str
     w.add_block_count(c.num_layers)
     w.add_head_count(c.num_heads)
     w.add_head_count_kv(c.num_kv_heads)
-    if c.q_dim != c.hidden_size:
+    if c.q_dim != c.hidden_size or c.architecture.swa_pattern:  # Gemma 3's converter always does
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
     w.add_layer_norm_rms_eps(c.rms_eps)
@@ -178,6 +178,8 @@ def _add_metadata(w: GGUFWriter, c: ModelConfig, vocab: TokenizerData, name: str
         w.add_sliding_window(262144)
     elif c.rope_attn_factor != 1.0:
         w.add_rope_scaling_attn_factors(c.rope_attn_factor)
+    if c.sliding_window:
+        _add_sliding_window(w, c)
 
     w.add_tokenizer_model(vocab.model)
     w.add_tokenizer_pre(vocab.pre)
@@ -196,6 +198,18 @@ def _add_metadata(w: GGUFWriter, c: ModelConfig, vocab: TokenizerData, name: str
         w.add_add_space_prefix(vocab.add_space_prefix)
     if vocab.chat_template:
         w.add_chat_template(vocab.chat_template)
+
+
+def _add_sliding_window(w: GGUFWriter, c: ModelConfig) -> None:
+    """The window, the local RoPE base, and the layer pattern as its converter writes it: no
+    pattern key when the family's default gives the flags, else the period, else the flags."""
+    w.add_sliding_window(c.sliding_window)
+    w.add_rope_freq_base_swa(c.rope_freq_base_swa)
+    if c.swa_layers == swa_flags(c.architecture.swa_pattern, c.num_layers):
+        return
+    period = next((n for n in range(c.num_layers + 1)
+                   if swa_flags(n, c.num_layers) == c.swa_layers), None)
+    w.add_sliding_window_pattern(period if period is not None else list(c.swa_layers))
 
 
 def _encode(chunk: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:

@@ -1,18 +1,21 @@
-"""The reference forward pass: llama.cpp's phi3 / llama / qwen2 / qwen3 graphs in plain torch.
+"""The reference forward pass: llama.cpp's phi3 / llama / qwen2 / qwen3 / gemma3 graphs in torch.
 
 This is the oracle every shard is checked against, so it shares nothing with the compiler except
 the model contract (config, architecture description, tensors, RoPE tables). It is written for
 clarity, not speed.
 
-    h = token_embd[tokens]
+    h = token_embd[tokens] (* sqrt(hidden)                                               gemma3)
     for each layer:
         a = rmsnorm(h, attn_norm)
         q, k, v = a @ attn_qkv.T split, or a @ attn_{q,k,v}.T (+ attn_{q,k,v}.bias)   qwen2
-        q, k = rmsnorm_per_head(q, attn_q_norm), rmsnorm_per_head(k, attn_k_norm)      qwen3
-        q, k = rope(q), rope(k)         # NEOX halves (phi3: first rope_dims only) or NORM pairs
-        h = h + attn(q / sqrt(head_dim), k, v) @ attn_output.T
+        q, k = rmsnorm_per_head(q, attn_q_norm), rmsnorm_per_head(k, attn_k_norm)      qwen3, gemma3
+        q, k = rope(q), rope(k)         # NEOX halves (phi3: first rope_dims only) or NORM pairs;
+                                        # local layers: the sliding-window RoPE tables     gemma3
+        o = attn(q * scale, k, v) @ attn_output.T    # scale 1/sqrt(head_dim); local layers see
+                                                     # only the last `sliding_window` positions
+        h = h + o  (gemma3: h + rmsnorm(o, post_attention_norm))
         g, u = split(n @ ffn_up.T) or n @ ffn_gate.T, n @ ffn_up.T;  n = rmsnorm(h, ffn_norm)
-        h = h + (silu(g) * u) @ ffn_down.T
+        h = h + (act(g) * u) @ ffn_down.T   (act: silu, gemma3 tanh-GELU; gemma3: post_ffw_norm)
     logits = rmsnorm(h, output_norm) @ (output or token_embd).T
 """
 
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 
 from ane_spec.errors import AneSpecError
 from ane_spec.model.gguf_file import GGUFModel, Tensor
+from ane_spec.model.rope import RopeSpec
 
 # Above this many bytes of dequantized weights the reference re-dequantizes each matrix from the
 # memmap on every use instead of caching it: the real 3.8B model would need 15 GB in fp32.
@@ -115,6 +119,8 @@ class ReferenceModel:
         self.config = c = gguf.config
         self.context_window = context_window
         self.rope = gguf.rope_spec(context_window)
+        # Sliding-window layers' own tables (another base, no linear scaling), where there are any.
+        self.rope_local = gguf.rope_spec(context_window, local=True) if c.has_local_layers else None
         self.dtype = dtype
         if materialize is None:
             materialize = c.num_parameters() * torch.finfo(dtype).bits // 8 <= MATERIALIZE_LIMIT_BYTES
@@ -143,19 +149,35 @@ class ReferenceModel:
         if bad:
             raise AneSpecError(f"token ids {bad[:5]} are outside the vocabulary 0..{c.vocab_size - 1}")
 
-        cos, sin = (torch.from_numpy(a).to(self.dtype)
-                    for a in self.rope.tables(np.arange(start, start + n), np.float64))
+        positions = np.arange(start, start + n)
+        tables = {False: self._tables(self.rope, positions)}
         # Row i may see key slots 0 .. start+i: the causal mask over the committed prefix.
         keys = torch.arange(start + n)
-        mask = keys[None, :] <= (start + torch.arange(n))[:, None]
+        rows = start + torch.arange(n)
+        masks = {False: keys[None, :] <= rows[:, None]}
+        if self.rope_local is not None:
+            tables[True] = self._tables(self.rope_local, positions)
+            # llama_hparams::is_masked_swa (STANDARD) hides key p0 from row p1 when
+            # p1 - p0 >= n_swa: a local row sees the last `sliding_window` positions, itself
+            # included.
+            masks[True] = masks[False] & (keys[None, :] > rows[:, None] - c.sliding_window)
 
         h = self.w.rows("token_embd.weight", tokens)
+        if self.arch.embed_scale:
+            # gemma3.cpp: ggml_scale(inp, sqrtf(n_embd)), the fp32-rounded root.
+            h = h * float(np.float32(math.sqrt(c.hidden_size)))
         for i in range(c.num_layers):
-            h = self._layer(i, h, cos, sin, mask, cache)
+            local = c.is_local(i)
+            cos, sin = tables[local]
+            h = self._layer(i, h, cos, sin, masks[local], cache)
         cache.length += n
         cache.tokens.extend(int(t) for t in tokens)
         h = rms_norm(h, self.w("output_norm.weight"), c.rms_eps)
         return h @ self.w(self.head_name).T
+
+    def _tables(self, rope: RopeSpec, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rope.tables(positions, np.float64)
+        return torch.from_numpy(cos).to(self.dtype), torch.from_numpy(sin).to(self.dtype)
 
     def _layer(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                mask: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -176,18 +198,25 @@ class ReferenceModel:
         keys = cache.k[i][:, :start + n].repeat_interleave(c.gqa_group, dim=0)
         values = cache.v[i][:, :start + n].repeat_interleave(c.gqa_group, dim=0)
 
-        scores = (q.transpose(0, 1) / math.sqrt(c.head_dim)) @ keys.transpose(1, 2)
+        scores = (q.transpose(0, 1) * c.attention_scale) @ keys.transpose(1, 2)
         scores = scores.masked_fill(~mask, float("-inf"))
         o = torch.softmax(scores, dim=-1) @ values          # [heads, T, head_dim]
         o = o.transpose(0, 1).reshape(n, c.q_dim)           # channel = head * head_dim + d
-        h = h + o @ w(f"blk.{i}.attn_output.weight").T
+        o = o @ w(f"blk.{i}.attn_output.weight").T
+        if self.arch.post_norms:
+            o = rms_norm(o, w(f"blk.{i}.post_attention_norm.weight"), c.rms_eps)
+        h = h + o
 
         f = rms_norm(h, w(f"blk.{i}.ffn_norm.weight"), c.rms_eps)
         if self.arch.fused_gate_up:
             g, u = (f @ w(f"blk.{i}.ffn_up.weight").T).split(c.ffn_size, dim=-1)
         else:
             g, u = f @ w(f"blk.{i}.ffn_gate.weight").T, f @ w(f"blk.{i}.ffn_up.weight").T
-        return h + (F.silu(g) * u) @ w(f"blk.{i}.ffn_down.weight").T
+        act = F.silu(g) if self.arch.ffn_activation == "silu" else F.gelu(g, approximate="tanh")
+        down = (act * u) @ w(f"blk.{i}.ffn_down.weight").T
+        if self.arch.post_norms:
+            down = rms_norm(down, w(f"blk.{i}.post_ffw_norm.weight"), c.rms_eps)
+        return h + down
 
     def _qkv(self, i: int, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c, w = self.config, self.w

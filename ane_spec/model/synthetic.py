@@ -29,7 +29,13 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from ane_spec.errors import ConfigError
 
 from ane_spec.model.architectures import ARCHITECTURES
-from ane_spec.model.config import ModelConfig, first_error, longrope_attn_factor
+from ane_spec.model.config import (
+    ModelConfig,
+    first_error,
+    gemma3_query_scale,
+    longrope_attn_factor,
+    swa_flags,
+)
 from ane_spec.model.gguf_file import expected_tensor_shapes
 from ane_spec.model.gguf_writer import (
     Chunks,
@@ -63,6 +69,12 @@ class SyntheticSpec(BaseModel):
     context_length: int = 131072
     original_context_length: int = 4096
     rope_freq_base: float = 10000.0
+    rope_freq_scale: float = 1.0     # 1 / linear rope.scaling.factor (Gemma 3 4B: 1/8)
+    # Sliding-window families (gemma3): the window (0: none), the local/global period (None:
+    # the family's default) and the local layers' RoPE base.
+    sliding_window: int = 0
+    swa_pattern: int | None = None
+    rope_freq_base_swa: float = 10000.0
     rms_eps: float = 1e-5
     embed_std: float = 0.05
     branch_scale: float = 4.0
@@ -77,6 +89,8 @@ class SyntheticSpec(BaseModel):
                              f"{', '.join(ARCHITECTURES)}")
         if self.rope_freqs and ARCHITECTURES[self.arch].rope_factors != "freqs":
             raise ValueError(f"rope_freqs is a llama tensor; {self.arch} has none")
+        if self.sliding_window and not ARCHITECTURES[self.arch].swa_pattern:
+            raise ValueError(f"{self.arch} has no sliding-window layers")
         self.to_config()  # raises on inconsistent shapes
         return self
 
@@ -85,6 +99,16 @@ class SyntheticSpec(BaseModel):
         longrope = ARCHITECTURES[self.arch].rope_factors == "longrope"
         # Only LongRoPE files carry original_context_length and the attention factor.
         original = self.original_context_length if longrope else self.context_length
+        a = ARCHITECTURES[self.arch]
+        window: dict[str, object] = {}
+        if self.arch == "gemma3":
+            window["query_scale"] = gemma3_query_scale(self.num_layers, self.hidden_size,
+                                                       self.num_heads, head_dim)
+        if self.sliding_window:
+            pattern = a.swa_pattern if self.swa_pattern is None else self.swa_pattern
+            window |= dict(sliding_window=self.sliding_window,
+                           swa_layers=swa_flags(pattern, self.num_layers),
+                           rope_freq_base_swa=self.rope_freq_base_swa)
         return ModelConfig(
             arch=self.arch, hidden_size=self.hidden_size, num_layers=self.num_layers,
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=head_dim,
@@ -92,7 +116,8 @@ class SyntheticSpec(BaseModel):
             vocab_size=self.vocab_size, context_length=self.context_length,
             original_context_length=original, rope_freq_base=self.rope_freq_base,
             rope_attn_factor=longrope_attn_factor(self.context_length, original),
-            rms_eps=self.rms_eps, tied_embeddings=self.tied_embeddings)
+            rms_eps=self.rms_eps, tied_embeddings=self.tied_embeddings,
+            rope_freq_scale=self.rope_freq_scale, **window)
 
 
 PRESETS: dict[str, SyntheticSpec] = {
@@ -118,6 +143,28 @@ PRESETS: dict[str, SyntheticSpec] = {
     "qwen3-4b": SyntheticSpec(arch="qwen3", hidden_size=2560, num_layers=36, num_heads=32,
                               num_kv_heads=8, head_dim=128, ffn_size=9728, vocab_size=151936,
                               context_length=40960, rope_freq_base=1000000.0, rms_eps=1e-6),
+    # Gemma 3 text models (HF config.json): head_dim 256, window 512 (4B: 1024), five local
+    # layers to one global, local RoPE base 10000, global 1e6; the 4B scales global RoPE
+    # linearly by 8 and its GGUF vocabulary is padded to 262,208 entries.
+    "gemma-3-270m": SyntheticSpec(arch="gemma3", hidden_size=640, num_layers=18, num_heads=4,
+                                  num_kv_heads=1, head_dim=256, ffn_size=2048,
+                                  vocab_size=262144, context_length=32768,
+                                  rope_freq_base=1000000.0, sliding_window=512, rms_eps=1e-6),
+    "gemma-3-1b": SyntheticSpec(arch="gemma3", hidden_size=1152, num_layers=26, num_heads=4,
+                                num_kv_heads=1, head_dim=256, ffn_size=6912, vocab_size=262144,
+                                context_length=32768, rope_freq_base=1000000.0,
+                                sliding_window=512, rms_eps=1e-6),
+    "gemma-3-4b": SyntheticSpec(arch="gemma3", hidden_size=2560, num_layers=34, num_heads=8,
+                                num_kv_heads=4, head_dim=256, ffn_size=10240, vocab_size=262208,
+                                context_length=131072, rope_freq_base=1000000.0,
+                                rope_freq_scale=0.125, sliding_window=1024, rms_eps=1e-6),
+    # Odd-sized on purpose: q is 192 wide on a 160-wide stream, 4 layers with a period of 3
+    # (local, local, global, local) and a window of 8, so short prompts cross it.
+    "gemma3-tiny": SyntheticSpec(arch="gemma3", hidden_size=160, num_layers=4, num_heads=3,
+                                 num_kv_heads=1, head_dim=64, ffn_size=352, vocab_size=1031,
+                                 context_length=4096, rope_freq_base=1000000.0,
+                                 rope_freq_scale=0.5, sliding_window=8, swa_pattern=3,
+                                 rms_eps=1e-6),
 }
 
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from ane_spec.errors import GGUFError, untrusted
-from ane_spec.model.architectures import llama, phi3, qwen2, qwen3
+from ane_spec.model.architectures import gemma3, llama, phi3, qwen2, qwen3
 from ane_spec.model.architectures.base import Architecture, RopeFactors, RopeType
 
 ARCHITECTURES: dict[str, Architecture] = {
     a.name: a for a in (phi3.ARCHITECTURE, llama.ARCHITECTURE, qwen2.ARCHITECTURE,
-                        qwen3.ARCHITECTURE)
+                        qwen3.ARCHITECTURE, gemma3.ARCHITECTURE)
 }
 
 

@@ -3,7 +3,7 @@
 Each supported `general.architecture` is one short module in this package holding an
 `Architecture`; the GGUF reader, the reference forward pass, the shard compiler and the synthetic
 writer read these fields and nothing else about the family. The fields are the differences that
-exist between the four graphs in llama.cpp's `src/models/{phi3,llama,qwen2,qwen3}.cpp`.
+exist between the graphs in llama.cpp's `src/models/{phi3,llama,qwen2,qwen3,gemma3}.cpp`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ from typing import Literal
 
 RopeType = Literal["norm", "neox"]
 RopeFactors = Literal["longrope", "freqs", "none"]
+# llama.cpp's build_ffn activation on the gate: LLM_FFN_SILU, or LLM_FFN_GELU (ggml_gelu, the
+# tanh approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))).
+FfnActivation = Literal["silu", "gelu_tanh"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,17 @@ class Architecture:
     # property of the pre-tokenizer (tokenizer.py), not of the architecture.
     # The special-token layout synthetic fixtures of this family get (vocab.build_synthetic_vocab).
     vocab_family: str = "phi4"
+    # Gemma 3: RMSNorm of each branch's output before it is added to the residual stream
+    # (`post_attention_norm`, `post_ffw_norm`).
+    post_norms: bool = False
+    ffn_activation: FfnActivation = "silu"
+    # Gemma 3: the token embeddings are multiplied by sqrt(hidden_size) before the first layer.
+    embed_scale: bool = False
+    # Gemma 3 (llama.cpp's load_swa_pattern(ml, n)): when the file has
+    # `<arch>.attention.sliding_window`, layer il is local unless il % n == n - 1, with n from
+    # `<arch>.attention.sliding_window_pattern` (an int, or one bool per layer) or this default.
+    # 0: the family has no sliding-window layers.
+    swa_pattern: int = 0
     quirks: tuple[str, ...] = ()
 
     def describe(self) -> str:
