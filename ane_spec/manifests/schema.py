@@ -190,6 +190,8 @@ class Manifest(_Strict):
     tokenizer: FileRef
     build: BuildOptions
     rope: RopeSpec
+    # The sliding-window layers' RoPE (Gemma 3); None for models without such layers.
+    rope_local: RopeSpec | None = None
     shards: list[ShardEntry]
     head: HeadEntry
     embeddings: EmbeddingsEntry
@@ -217,18 +219,27 @@ class Manifest(_Strict):
         if b.max_seq > c.context_length:
             raise ValueError(f"build.max_seq {b.max_seq} exceeds model.context_length "
                              f"{c.context_length}")
-        r = self.rope
-        if (r.context_window, r.rope_dims) != (b.max_seq, c.rope_dims):
-            raise ValueError("rope.context_window/rope_dims do not match build.max_seq and "
-                             "model.rope_dims")
-        if len(r.factors) != r.rope_dims // 2:
-            raise ValueError(f"rope.factors has {len(r.factors)} entries, expected "
-                             f"{r.rope_dims // 2}")
-        for name, v in (("freq_base", r.freq_base), ("attn_factor", r.attn_factor),
-                        ("freq_scale", r.freq_scale), *(("factors", f) for f in r.factors)):
-            if not (math.isfinite(v) and v > 0):
-                raise ValueError(f"rope.{name} must be positive and finite, got {v}")
+        if (self.rope_local is not None) != c.has_local_layers:
+            raise ValueError("rope_local is needed exactly when the model has sliding-window "
+                             "layers")
+        for r in (self.rope, self.rope_local):
+            if r is not None:
+                _check_rope(r, b.max_seq, c.rope_dims)
         return self
+
+
+def _check_rope(r: RopeSpec, max_seq: int, rope_dims: int) -> None:
+    """One RoPE section against the build and model it must serve."""
+    if (r.context_window, r.rope_dims) != (max_seq, rope_dims):
+        raise ValueError("rope.context_window/rope_dims do not match build.max_seq and "
+                         "model.rope_dims")
+    if len(r.factors) != r.rope_dims // 2:
+        raise ValueError(f"rope.factors has {len(r.factors)} entries, expected "
+                         f"{r.rope_dims // 2}")
+    for name, v in (("freq_base", r.freq_base), ("attn_factor", r.attn_factor),
+                    ("freq_scale", r.freq_scale), *(("factors", f) for f in r.factors)):
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"rope.{name} must be positive and finite, got {v}")
 
 
 def _check_tiling(where: str, ranges: list[tuple[int, int]], total: int) -> None:

@@ -8,6 +8,12 @@ A pass can be wider than the tokens it carries. In the fixed decode shape every 
 T = 4 and the rows past the real ones are padding: they repeat the last real row's position, so
 their RoPE rows and masks stay in range at the end of the context, and their `kv_write_mask`
 column is all zero, so they write nothing. `keep = 1 - rowsum(write)` then counts real rows only.
+
+Models with sliding-window layers (Gemma 3) carry their local layers' inputs in the same three
+arrays, after the global ones: `rope_cos`/`rope_sin` are [T, rot] (global tables, then the
+local RoPE's), `attn_mask` is [1, 2, T, S] (the causal mask, then the local one, where row q sees
+slots q - W < s <= q only: llama.cpp's is_masked_swa hides s when q - s >= W). One input set
+for every shard (programs.py says why); other models' inputs are what they always were.
 """
 
 from __future__ import annotations
@@ -36,16 +42,33 @@ class HostInputs:
     # fp16 is what the packages declare and the ANE runs; fp32 lets an fp32 backend measure the
     # graph's own math without the rounding of its inputs.
     dtype: type = np.float16
+    # The sliding-window layers' RoPE and window (None / 0: the model has no such layers).
+    rope_local: RopeSpec | None = None
+    window: int = 0
 
     def __post_init__(self) -> None:
-        cos, sin = self.rope.tables(np.arange(self.max_seq), np.float64)
-        self.cos = cos.astype(self.dtype)
-        self.sin = sin.astype(self.dtype)
+        if (self.rope_local is None) != (self.window <= 0):
+            raise AneSpecError("local-layer inputs need both the local RoPE and a window > 0")
+        self.cos, self.sin = self._tables(self.rope)
         # Row q of a mask hides slots q+1.. : every such row is one window of a single ramp
         # (S zeros, then S - 1 hidden), so a pass's mask is one gather, with no [T, S] compare.
+        # Row q reads ramp[S-1-q : 2S-1-q], so slot s is ramp index S-1-q+s.
         ramp = np.full(2 * self.max_seq - 1, MASK_VALUE, dtype=self.dtype)
         ramp[: self.max_seq] = 0.0
         self._mask_rows = np.lib.stride_tricks.sliding_window_view(ramp, self.max_seq)[::-1]
+        if self.rope_local is not None:
+            cos_local, sin_local = self._tables(self.rope_local)
+            self.cos = np.concatenate([self.cos, cos_local], axis=1)
+            self.sin = np.concatenate([self.sin, sin_local], axis=1)
+            # Visible: q - W < s <= q, i.e. ramp indices S-W .. S-1.
+            local = np.full(2 * self.max_seq - 1, MASK_VALUE, dtype=self.dtype)
+            local[max(0, self.max_seq - self.window): self.max_seq] = 0.0
+            self._local_rows = np.lib.stride_tricks.sliding_window_view(
+                local, self.max_seq)[::-1]
+
+    def _tables(self, rope: RopeSpec) -> tuple[np.ndarray, np.ndarray]:
+        cos, sin = rope.tables(np.arange(self.max_seq), np.float64)
+        return cos.astype(self.dtype), sin.astype(self.dtype)
 
     def block(self, position: int, t: int, width: int | None = None) -> dict[str, np.ndarray]:
         """`t` real rows at positions position..position+t-1, all writing, padded to `width`."""
@@ -78,9 +101,13 @@ class HostInputs:
         mask = self._mask_rows[positions]  # [t, S]: 0 at slots <= the row's position
         write = np.zeros((self.max_seq, t), dtype=self.dtype)
         write[positions[writes], np.flatnonzero(writes)] = 1.0
-        return {
+        inputs = {
             "rope_cos": self.cos[positions],
             "rope_sin": self.sin[positions],
             "attn_mask": mask.reshape(1, 1, t, self.max_seq),
             "kv_write_mask": write.reshape(1, 1, self.max_seq, t),
         }
+        if self.rope_local is not None:
+            local = self._local_rows[positions].reshape(1, 1, t, self.max_seq)
+            inputs["attn_mask"] = np.concatenate([inputs["attn_mask"], local], axis=1)
+        return inputs

@@ -8,6 +8,8 @@ The decode shape (`decode_shape.DecodeShapePolicy`) decides how wide every pass 
 
 from __future__ import annotations
 
+import math
+
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -142,21 +144,31 @@ class Embeddings:
     qs: np.ndarray | None = None
     scales: np.ndarray | None = None
     table: np.ndarray | None = None
+    # Gemma 3 multiplies each looked-up row by sqrtf(hidden) in fp32 (gemma3.cpp `inp_scaled`).
+    # Done here, as llama.cpp does it, rather than folded into the stored table: sqrt(d) is not
+    # a power of two, so folding would requantize the Q8_0 rows (or round every fp16 block
+    # scale), while an fp32 multiply before the one fp16 rounding of the input costs nothing.
+    scale: np.float32 | None = None
 
     @classmethod
     def load(cls, loaded: LoadedManifest) -> "Embeddings":
-        e = loaded.manifest.embeddings
+        m = loaded.manifest
+        e = m.embeddings
         files = {k: np.load(loaded.path(ref), mmap_mode="r") for k, ref in e.files.items()}
+        scale = (np.float32(math.sqrt(m.model.hidden_size))
+                 if m.model.architecture.embed_scale else None)
         if e.format == "q8_0":
-            return cls(qs=files["qs"], scales=files["scales"])
-        return cls(table=files["table"])
+            return cls(qs=files["qs"], scales=files["scales"], scale=scale)
+        return cls(table=files["table"], scale=scale)
 
     def lookup(self, tokens: Sequence[int]) -> np.ndarray:
         ids = np.asarray(tokens, dtype=np.int64)
         if self.table is not None:
-            return self.table[ids].astype(np.float32)
-        qs = self.qs[ids].reshape(len(ids), -1, 32).astype(np.float32)
-        return (qs * self.scales[ids].astype(np.float32)[..., None]).reshape(len(ids), -1)
+            rows = self.table[ids].astype(np.float32)
+        else:
+            qs = self.qs[ids].reshape(len(ids), -1, 32).astype(np.float32)
+            rows = (qs * self.scales[ids].astype(np.float32)[..., None]).reshape(len(ids), -1)
+        return rows if self.scale is None else rows * self.scale
 
 
 @dataclass
@@ -191,7 +203,9 @@ class ShardPipeline:
         self.layout = m.build.layout
         self.head_argmax = m.head.argmax
         self.input_dtype = np.float32 if self.backend.precision == "fp32" else np.float16
-        self.host = HostInputs(m.rope, self.max_seq, self.max_t, self.input_dtype)
+        self.host = HostInputs(m.rope, self.max_seq, self.max_t, self.input_dtype,
+                               rope_local=m.rope_local,
+                               window=m.model.sliding_window if m.rope_local else 0)
         self.embeddings = Embeddings.load(self.loaded)
         refusal = q8_block_refusal(m.build.weights, getattr(self.backend, "compute_units", ""))
         if refusal:  # before any package is compiled or loaded

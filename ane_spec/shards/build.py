@@ -247,6 +247,8 @@ def _build_into(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
                           parameters=model.parameter_count),
         model=model.config, tokenizer=file_ref(tmp, tok_path), build=options,
         rope=model.rope_spec(request.max_seq), shards=shards, head=head,
+        rope_local=(model.rope_spec(request.max_seq, local=True)
+                    if model.config.has_local_layers else None),
         embeddings=embeddings)
     write_manifest(manifest, tmp)
     result.summary = quant_summary(manifest)

@@ -16,6 +16,13 @@ every architecture; layer_weights.py maps each family's tensors onto it. Per lay
     x = x + conv(o as [head, dim, token])     the flatten order seeds/003 got wrong once
     x = x + conv(silu(g) * u), (g, u) = split(conv(rmsnorm(x)))
 
+Gemma 3 (flags of its Architecture, so no other family's program changes by one op): the q
+scale is the config's (1/sqrt(key_length)); each branch output is RMS-normed before it is added
+(`post_attention_norm`, `post_ffw_norm`); the gate goes through tanh-GELU; and a local
+(sliding-window) layer reads the `_local` RoPE tables and visibility mask instead of the global
+ones. It keeps the same full-length K/V state: the host's local mask hides the slots that fell
+out of its window (a W-slot ring, issue 30 item 2, would shrink that state; not done here).
+
 Every op is fp16, softmax included: the Neural Engine computes only fp16, and one fp32-typed op
 sends its layer to the CPU and back (coremltools' typed-execution guide). The build's static
 checks refuse any fp32 value in a saved program.
@@ -31,7 +38,6 @@ loses to any score more than |mask| above the row's visible ones.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -56,8 +62,10 @@ class LayerWeights:
     ffn_up: ConvWeight              # gate rows, then up rows
     ffn_down: ConvWeight
     qkv_bias: np.ndarray | None = None   # fp32 [qkv_rows] (qwen2)
-    q_norm: np.ndarray | None = None     # fp32 [head_dim] (qwen3)
+    q_norm: np.ndarray | None = None     # fp32 [head_dim] (qwen3, gemma3)
     k_norm: np.ndarray | None = None
+    post_attn_norm: np.ndarray | None = None  # fp32 [d] (gemma3)
+    post_ffn_norm: np.ndarray | None = None
 
 
 @dataclass
@@ -70,6 +78,16 @@ class BlockInputs:
     visible: Var    # [1, 1, T, S] bool: attn_mask >= 0, what the layers select on
     write: Var      # [1, 1, S, T]
     keep: Var       # [1, 1, S, 1]: 1 - rowsum(write), computed once per shard
+    # Sliding-window layers' RoPE tables and visibility (models with local layers only).
+    local: "BlockInputs | None" = None
+
+    def for_layer(self, local: bool) -> "BlockInputs":
+        """The inputs layer reads: the local tables and mask for a sliding-window layer."""
+        if not local:
+            return self
+        if self.local is None:
+            raise ValueError("a sliding-window layer needs the shard's local RoPE and mask inputs")
+        return self.local
 
 
 def hidden_shape(d: int, t: object, layout: Layout) -> tuple[object, ...]:
@@ -290,6 +308,7 @@ def decoder_layer(x: Var, i: int, w: LayerWeights, io: BlockInputs, k_state: Var
     d, hd, kv = c.hidden_size, c.head_dim, c.num_kv_heads
     p = f"layer_{i}_"
     half = hd // 2 if variant.rotate_all_dims else c.rope_dims // 2
+    io = io.for_layer(c.is_local(i))
     cos, sin = io.cos, io.sin
     if variant.drop_attn_factor:
         inv = np.float16(1.0 / c.rope_attn_factor)
@@ -310,7 +329,7 @@ def decoder_layer(x: Var, i: int, w: LayerWeights, io: BlockInputs, k_state: Var
     if w.q_norm is not None:
         q = head_rms_norm(q, w.q_norm, c.rms_eps, hd, p + "q_norm")
     q = rope(q, cos, sin, half, hd)
-    q = mb.mul(x=q, y=np.float16(1.0 / math.sqrt(hd)))
+    q = mb.mul(x=q, y=np.float16(c.attention_scale))  # 1/sqrt(hd) unless the family says
     k = to_heads(k, kv, hd)
     if w.k_norm is not None:
         k = head_rms_norm(k, w.k_norm, c.rms_eps, hd, p + "k_norm")
@@ -328,12 +347,28 @@ def decoder_layer(x: Var, i: int, w: LayerWeights, io: BlockInputs, k_state: Var
 
     o = merge_heads(attention(q, keys, values, io, c, variant.fp32_softmax,
                               variant.additive_mask), c, layout, variant.flatten)
-    x = mb.add(x=x, y=_conv(o, w.attn_output, p + "o_w"))
+    x = mb.add(x=x, y=post_norm(_conv(o, w.attn_output, p + "o_w"), w.post_attn_norm, c,
+                                p + "post_attn_norm"))
 
     f = _conv(rms_norm(x, w.ffn_norm, c.rms_eps, d, p + "ffn_norm"), w.ffn_up, p + "up_w")
     g, u = mb.split(x=f, num_splits=2, axis=1)
-    down = _conv(mb.mul(x=mb.silu(x=g), y=u), w.ffn_down, p + "down_w")
+    down = _conv(mb.mul(x=gate_activation(g, c), y=u), w.ffn_down, p + "down_w")
+    down = post_norm(down, w.post_ffn_norm, c, p + "post_ffn_norm")
     return mb.add(x=x, y=down, name=out_name or p + "out")
+
+
+def post_norm(branch: Var, weight: np.ndarray | None, c: ModelConfig, name: str) -> Var:
+    """Gemma 3's RMSNorm of a branch output before the residual add; no op without a weight."""
+    if weight is None:
+        return branch
+    return rms_norm(branch, weight, c.rms_eps, c.hidden_size, name)
+
+
+def gate_activation(g: Var, c: ModelConfig) -> Var:
+    """silu, or llama.cpp's ggml_gelu: the tanh approximation (gemma3's LLM_FFN_GELU)."""
+    if c.architecture.ffn_activation == "gelu_tanh":
+        return mb.gelu(x=g, mode="TANH_APPROXIMATION")
+    return mb.silu(x=g)
 
 
 def _conv(x: Var, w: ConvWeight, weight_name: str) -> Var:

@@ -86,10 +86,12 @@ def layer_weights(model: GGUFModel, i: int, fmt: WeightFormat,
         q_norm = _pick(vector("attn_q_norm.weight"), head)
         k_norm = _pick(vector("attn_k_norm.weight"), head)
     up = matrix("ffn_up") if a.fused_gate_up else matrices(("ffn_gate", None), ("ffn_up", None))
+    post = (dict(post_attn_norm=vector("post_attention_norm.weight"),
+                 post_ffn_norm=vector("post_ffw_norm.weight")) if a.post_norms else {})
     return LayerWeights(
         attn_norm=vector("attn_norm.weight"), qkv=qkv, attn_output=matrix("attn_output"),
         ffn_norm=vector("ffn_norm.weight"), ffn_up=up, ffn_down=matrix("ffn_down"),
-        qkv_bias=bias, q_norm=q_norm, k_norm=k_norm)
+        qkv_bias=bias, q_norm=q_norm, k_norm=k_norm, **post)
 
 
 def _pick(values: np.ndarray, rows: np.ndarray | None) -> np.ndarray:

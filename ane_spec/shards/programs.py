@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import replace
 import os
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -20,7 +21,7 @@ from pathlib import Path
 import coremltools as ct
 import numpy as np
 from coremltools.converters.mil import Builder as mb
-from coremltools.converters.mil.mil import Function, Program, get_new_symbol, types
+from coremltools.converters.mil.mil import Function, Program, Var, get_new_symbol, types
 
 from ane_spec.model.config import ModelConfig
 from ane_spec.shards.layer_graph import (
@@ -65,6 +66,16 @@ def layer_program(first_layer: int, layers: Sequence[LayerWeights], c: ModelConf
         ATTN_MASK: mb.TensorSpec((1, 1, t, max_seq), dtype=fp16),
         KV_WRITE_MASK: mb.TensorSpec((1, 1, max_seq, t), dtype=fp16),
     }
+    if c.has_local_layers:
+        # Sliding-window models (gemma3): the local layers' tables and mask travel in the same
+        # inputs, after the global ones (cos/sin [T, rot], mask [1, 2, T, S]; host_inputs.py).
+        # One input set for every shard: Core ML refuses an input a program does not declare
+        # and coremltools adds an `identity` for one it declares but does not use, so separate
+        # inputs would differ between an all-local shard and the others.
+        half = c.rope_dims // 2
+        specs |= {COS: mb.TensorSpec((t, 2 * half), dtype=fp16),
+                  SIN: mb.TensorSpec((t, 2 * half), dtype=fp16),
+                  ATTN_MASK: mb.TensorSpec((1, 2, t, max_seq), dtype=fp16)}
     for n in range(len(layers)):
         for name in state_names(first_layer + n):
             specs[name] = mb.StateTensorSpec(kv_shape, dtype=fp16)
@@ -73,11 +84,16 @@ def layer_program(first_layer: int, layers: Sequence[LayerWeights], c: ModelConf
         write = inputs[KV_WRITE_MASK]
         keep = mb.sub(x=np.float16(1.0), y=mb.reduce_sum(x=write, axes=[3], keep_dims=True),
                       name="kv_keep")
-        # The host marks hidden slots with a negative value (host_inputs.MASK_VALUE), visible
-        # ones with 0; the layers select on it rather than add it.
-        visible = mb.greater_equal(x=inputs[ATTN_MASK], y=np.float16(0.0), name="attn_visible")
-        io = BlockInputs(cos=inputs[COS], sin=inputs[SIN], attn_mask=inputs[ATTN_MASK],
-                         visible=visible, write=write, keep=keep)
+        if c.has_local_layers:
+            io = _split_local_inputs(inputs, write, keep, c,
+                                     [c.is_local(first_layer + n) for n in range(len(layers))])
+        else:
+            # The host marks hidden slots with a negative value (host_inputs.MASK_VALUE),
+            # visible ones with 0; the layers select on it rather than add it.
+            visible = mb.greater_equal(x=inputs[ATTN_MASK], y=np.float16(0.0),
+                                       name="attn_visible")
+            io = BlockInputs(cos=inputs[COS], sin=inputs[SIN], attn_mask=inputs[ATTN_MASK],
+                             visible=visible, write=write, keep=keep)
         x = inputs[HIDDEN_IN]
         for n, w in enumerate(layers):
             i = first_layer + n
@@ -88,6 +104,34 @@ def layer_program(first_layer: int, layers: Sequence[LayerWeights], c: ModelConf
         return [x]
 
     return _program(specs, body)
+
+
+def _split_local_inputs(inputs: dict, write: Var, keep: Var, c: ModelConfig,
+                        local: list[bool]) -> BlockInputs:
+    """The global and local halves of the stacked inputs, sliced once per shard; only the
+    halves some layer of the shard reads (an all-local shard has no global slice)."""
+    half = c.rope_dims // 2
+
+    def part(kind: int, suffix: str) -> BlockInputs:
+        def cols(x: Var, name: str) -> Var:
+            return mb.slice_by_index(x=x, begin=[0, kind * half], end=[0, (kind + 1) * half],
+                                     begin_mask=[True, False], end_mask=[True, False],
+                                     name=name + suffix)
+
+        mask = mb.slice_by_index(x=inputs[ATTN_MASK], begin=[0, kind, 0, 0],
+                                 end=[0, kind + 1, 0, 0], begin_mask=[True, False, True, True],
+                                 end_mask=[True, False, True, True], name="attn_mask" + suffix)
+        return BlockInputs(cos=cols(inputs[COS], "rope_cos"), sin=cols(inputs[SIN], "rope_sin"),
+                           attn_mask=mask, write=write, keep=keep,
+                           visible=mb.greater_equal(x=mask, y=np.float16(0.0),
+                                                    name="attn_visible" + suffix))
+
+    local_io = part(1, "_local") if any(local) else None
+    if all(local):  # no global layer reads the top-level fields: they may be the local ones
+        return replace(local_io, local=local_io)
+    io = part(0, "_global")
+    io.local = local_io
+    return io
 
 
 def head_program(norm: np.ndarray, chunks: Sequence[ConvWeight], c: ModelConfig, layout: Layout,

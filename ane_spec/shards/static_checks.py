@@ -22,6 +22,7 @@ LAYER_OPS = frozenset({
     "const", "constexpr_blockwise_shift_scale", "constexpr_lut_to_dense", "conv", "concat", "layer_norm", "slice_by_index",
     "mul", "add", "sub", "split", "reshape", "transpose", "matmul", "reduce_sum", "reduce_max",
     "exp", "real_div", "silu", "read_state",
+    "gelu",  # gemma3's tanh-GELU gate (mode TANH_APPROXIMATION)
     # Finite-safe KV write (clip, equal, select) and attention mask (greater_equal, select).
     "clip", "equal", "select", "greater_equal",
     # A saved package stores each coreml_update_state as write_state followed by read_state.
