@@ -1,4 +1,4 @@
-"""The real chat templates of Llama 3.2 and Qwen 2.5 / Qwen 3, tool sections included.
+"""The real chat templates of Llama 3.2, Qwen 2.5 / Qwen 3 (tool sections included) and Gemma 3.
 
 Synthetic GGUFs of these families carry them (vocab.family_layout), so that prompts, tool
 definitions, earlier calls and tool results are rendered exactly as the released models' own
@@ -8,7 +8,9 @@ llama.cpp detects it (daemon/tool_formats.py).
 Sources, verbatim: meta-llama/Llama-3.2-3B-Instruct's and Qwen/Qwen2.5-7B-Instruct's
 `chat_template` (tokenizer_config.json; llama.cpp keeps copies as
 models/templates/meta-llama-Llama-3.2-3B-Instruct.jinja and Qwen-Qwen2.5-7B-Instruct.jinja),
-and Qwen/Qwen3-*'s (models/templates/Qwen-Qwen3-0.6B.jinja in llama.cpp).
+and Qwen/Qwen3-*'s (models/templates/Qwen-Qwen3-0.6B.jinja in llama.cpp), and
+google/gemma-3-*-it's (its GGUFs carry it; llama.cpp keeps no copy, but renders any template
+containing `<start_of_turn>` with its built-in LLM_CHAT_TEMPLATE_GEMMA, which agrees).
 """
 
 from __future__ import annotations
@@ -253,3 +255,47 @@ QWEN3_CHAT_TEMPLATE = r"""{%- if tools %}
         {{- '<think>\n\n</think>\n\n' }}
     {%- endif %}
 {%- endif %}"""
+
+# google/gemma-3-*-it's `chat_template` (tokenizer_config.json), verbatim: no system role, so a
+# system message is folded into the first user turn; "assistant" is written "model".
+GEMMA3_CHAT_TEMPLATE = r"""{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""

@@ -39,6 +39,7 @@ from ane_spec.model.chat_templates import (
     QWEN3_CHAT_TEMPLATE,
     QWEN25_CHAT_TEMPLATE,
 )
+from ane_spec.model.vocab_gemma3 import gemma3_layout
 from ane_spec.model.tokenizer import (
     GPT4O_PATTERN,
     TOKEN_CONTROL,
@@ -217,12 +218,20 @@ def _trained(seed_text: str | None) -> tuple[tuple[str, str], ...]:
 def build_synthetic_vocab(vocab_size: int, *, seed_text: str | None = None,
                           family: str = "phi4") -> TokenizerData:
     """A deterministic byte-level BPE vocabulary with the layout of `family` at `vocab_size`:
-    "phi4" (Phi-4-mini's), "llama3" or "qwen2"/"qwen3" (family_layout)."""
+    "phi4" (Phi-4-mini's), "llama3" or "qwen2"/"qwen3" (family_layout), or "gemma3" (a
+    SentencePiece vocabulary, vocab_gemma3; needs vocab_size >= GEMMA3_MIN_VOCAB_SIZE)."""
+    if family == "gemma3":
+        return _gemma3(seed_text, vocab_size)
     if vocab_size < MIN_VOCAB_SIZE:
         raise TokenizerError(f"synthetic vocab_size must be >= {MIN_VOCAB_SIZE}, got {vocab_size}")
     if family == "phi4":
         return phi4_mini_layout(_trained(seed_text), vocab_size)
     return family_layout(family, _trained(seed_text), vocab_size)
+
+
+@lru_cache(maxsize=4)
+def _gemma3(seed_text: str | None, vocab_size: int) -> TokenizerData:
+    return gemma3_layout(CORPUS if seed_text is None else CORPUS + "\n" + seed_text, vocab_size)
 
 
 # Llama 3: byte-level BPE, then 256 CONTROL tokens; BOS <|begin_of_text|>, instruct EOS <|eot_id|>
