@@ -20,7 +20,7 @@ ARCHITECTURE = Architecture(
     name="gemma3", title="Gemma 3", rope_type="neox",
     fused_qkv=False, fused_gate_up=False, qkv_bias=False, qk_norm=True,
     rope_factors="none", partial_rotary=False,
-    vocab_family="llama3",
+    vocab_family="gemma3",
     post_norms=True, ffn_activation="gelu_tanh", embed_scale=True, swa_pattern=6,
     quirks=("embeddings scaled by sqrt(hidden)", "RMSNorm before and after attention and FFN",
             "per-head RMSNorm of q and k", "GeGLU (tanh GELU)",
