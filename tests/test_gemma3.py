@@ -16,6 +16,7 @@ from gguf import GGUFValueType
 
 from ane_spec.errors import GGUFError
 from ane_spec.model.gguf_file import open_gguf
+from ane_spec.model.inspect import describe, format_description
 from ane_spec.model.reference import ReferenceModel
 from ane_spec.model.synthetic import PRESETS, preset, write_synthetic_gguf
 from ane_spec.shards.topology import check_budget, min_head_chunks, plan_topology
@@ -49,6 +50,8 @@ def test_reads_gemma3_as_llama_cpp_does(tiny: Path) -> None:
     assert (glob.freq_base, glob.freq_scale) == (1e6, 0.5)
     assert (loc.freq_base, loc.freq_scale, loc.factor_set) == (1e4, 1.0, "none")
     assert m.metadata["gemma3.attention.sliding_window_pattern"] == 3
+    assert ("sliding window 8 on 3 of 4 layers (global: [2]), local rope base 10000 unscaled; "
+            "global rope scale 0.5") in format_description(describe(m))
 
 
 def test_pattern_keys_and_refusals(tiny: Path, tmp_path: Path) -> None:

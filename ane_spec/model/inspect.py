@@ -59,6 +59,13 @@ def format_description(d: dict[str, Any]) -> str:
         + ", ".join(f"{k} x{v}" for k, v in d["tensors"]["types"].items())
         + f", {d['tensors']['bytes'] / 1e6:,.1f} MB",
     ]
+    if c.get("sliding_window"):
+        local = [i for i, f in enumerate(c["swa_layers"]) if f]
+        lines.insert(4, f"  sliding window {c['sliding_window']} on {len(local)} of "
+                        f"{c['num_layers']} layers (global: "
+                        f"{[i for i, f in enumerate(c['swa_layers']) if not f]}), local rope "
+                        f"base {c['rope_freq_base_swa']:g} unscaled; global rope scale "
+                        f"{c['rope_freq_scale']:g}")
     t = d["tokenizer"]
     lines.append(f"  tokenizer: {t['model']}/{t['pre']}, {t['vocab_size']} tokens, "
                  f"{t['merges']} merges, {t['special_tokens']} special, eog {t['eog_ids']}, "

@@ -25,5 +25,5 @@ ARCHITECTURE = Architecture(
     quirks=("embeddings scaled by sqrt(hidden)", "RMSNorm before and after attention and FFN",
             "per-head RMSNorm of q and k", "GeGLU (tanh GELU)",
             "sliding-window layers (5 local : 1 global) with their own RoPE base",
-            "head_dim 256 from attention.key_length", "NEOX RoPE"),
+            "head_dim from attention.key_length (256 in every size)"),
 )
