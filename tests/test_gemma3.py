@@ -72,7 +72,8 @@ def test_pattern_keys_and_refusals(tiny: Path, tmp_path: Path) -> None:
     with pytest.raises(GGUFError, match="final_logit_softcapping' is 30.0"):
         open_gguf(p)
     p = rewrite_gguf(tiny, tmp_path / "b.gguf", arch="gemma3",
-                     set_keys={"gemma3.attention.sliding_window_pattern": ("6", GGUFValueType.STRING)})
+                     set_keys={"gemma3.attention.sliding_window_pattern":
+                               ("6", GGUFValueType.STRING)})
     with pytest.raises(GGUFError, match="sliding_window_pattern' must be a non-negative integer"):
         open_gguf(p)
     p = rewrite_gguf(tiny, tmp_path / "base.gguf", arch="gemma3",
