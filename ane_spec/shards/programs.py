@@ -74,8 +74,10 @@ def layer_program(first_layer: int, layers: Sequence[LayerWeights], c: ModelConf
         keep = mb.sub(x=np.float16(1.0), y=mb.reduce_sum(x=write, axes=[3], keep_dims=True),
                       name="kv_keep")
         # The host marks hidden slots with a negative value (host_inputs.MASK_VALUE), visible
-        # ones with 0; the layers select on it rather than add it.
-        visible = mb.greater_equal(x=inputs[ATTN_MASK], y=np.float16(0.0), name="attn_visible")
+        # ones with 0; the select form selects on it, the additive form adds it (and has no
+        # greater_equal: it is made only of ops peers ran on the ANE).
+        visible = None if variant.mask_form == "additive" else mb.greater_equal(
+            x=inputs[ATTN_MASK], y=np.float16(0.0), name="attn_visible")
         io = BlockInputs(cos=inputs[COS], sin=inputs[SIN], attn_mask=inputs[ATTN_MASK],
                          visible=visible, write=write, keep=keep)
         x = inputs[HIDDEN_IN]
