@@ -14,6 +14,7 @@ import pytest
 from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import types
 
+from ane_spec.cli import main
 from ane_spec.decode.session import DecodeSession, GenerateOptions
 from ane_spec.manifests.store import load_manifest
 from ane_spec.probes.gates import open_pipeline
@@ -31,11 +32,11 @@ PEER_UNPROVEN = {"select", "equal", "greater_equal"}
 @pytest.fixture(scope="module")
 def builds(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("mask-form")
-    out = {}
-    for form in ("select", "additive"):
-        build(tiny_gguf, root / form, BuildRequest(topology="2,1", max_seq=S, mask_form=form))
-        out[form] = root / form
-    return out
+    build(tiny_gguf, root / "select", BuildRequest(topology="2,1", max_seq=S))
+    # The additive build through the command line: --mask-form reaches the request.
+    assert main(["build", str(tiny_gguf), "--out", str(root / "additive"), "--topology", "2,1",
+                 "--max-seq", str(S), "--mask-form", "additive"]) == 0
+    return {"select": root / "select", "additive": root / "additive"}
 
 
 def test_the_host_feeds_the_value_the_additive_form_adds() -> None:

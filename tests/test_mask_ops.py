@@ -112,3 +112,19 @@ def test_off_a_mac_the_check_is_skipped_with_core_mls_reason() -> None:
     check = run_doctor(checks=[("mask-ops", doctor.check_mask_ops)])[0]
     assert check.status == "skipped" and check.summary.startswith("unavailable: needs macOS")
     assert "mask form" not in to_lines([check])
+
+
+def test_with_a_build_its_own_plan_places_the_ops(standin_children, coreml_build,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """With --manifest the build's first layer shard is planned: its placement of the ops it
+    holds is the one the advice rests on (a standalone probe may be placed otherwise)."""
+    for key, value in standin_children.rules_env(
+            plan_devices={"default": "NeuralEngine", "ops": {"equal": "GPU"}}).items():
+        monkeypatch.setenv(key, value)
+    check = run_doctor(coreml_build[0], checks=[("mask-ops", doctor.check_mask_ops)])[0]
+    assert check.status == "passed", check.summary
+    assert check.details["placement_source"] == dict.fromkeys(
+        ("equal", "greater_equal", "select", "clip"), "shard 0-1")
+    assert check.details["placement"]["equal"] == "GPU"
+    assert check.details["recommended_mask_form"] == "additive"
+    assert "equal on GPU" in check.details["reason"] and "plan of the shard 0-1" in check.summary

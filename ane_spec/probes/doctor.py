@@ -303,12 +303,23 @@ def check_mask_ops(run: DoctorRun) -> Verdict:
     results, clip_nan = mask_ops.judge(model.predict(inputs), inputs)
     del model
     where = mask_ops.placements(residency_report(path, "CPU_AND_NE"))
+    source = dict.fromkeys(where, "probe program")
+    if run.build is not None:  # the build's own plan says where its ops go: it takes precedence
+        from ane_spec.shards.static_checks import read_package_facts
+
+        label, shard, sha = run.packages()[0]
+        run.progress(f"compute plan of {label} (mask ops)")
+        planned = mask_ops.placements(residency_report(shard, "CPU_AND_NE", sha256=sha),
+                                      set(read_package_facts(shard).ops))
+        where |= planned
+        source |= dict.fromkeys(planned, label)
     form, reason = mask_ops.recommend(results, where)
-    details = mask_ops.to_details(results, clip_nan, where, form, reason)
+    details = mask_ops.to_details(results, clip_nan, where, source, form, reason)
     if hardware_problem():  # results computed, and any placement given, by a stand-in
         details["stand_in"] = hardware_problem()
     wrong = [f"{op} ({r.example})" for op, r in results.items() if not r.right]
-    placed = ", ".join(f"{op} {d}" for op, d in where.items())
+    placed = (", ".join(f"{op} {d}" for op, d in where.items())
+              + f" (plan of the {' and '.join(sorted(set(source.values())))})")
     advice = f"use --mask-form {form}" if form else "no mask-form advice"
     head = ("wrong: " + "; ".join(wrong) if wrong else
             "equal(NaN,NaN) false, select picks, greater_equal marks, clip(+-inf) saturates")

@@ -19,9 +19,9 @@ the host's mask rows, and each output is compared bit for bit with what the op m
   recorded: IEEE leaves it to the implementation, and a clip that drops NaN would clean rows);
 - `finite_rows(x)`: the select form's whole K/V clean-up, NaN -> 0 and inf -> +-65504.
 
-Placement comes from the compute plan of the same program. A standalone program this small may
-be placed differently from the same op inside a layer; the residency check plans the build's
-own programs, and is the authority for a build.
+Placement comes from the compute plan: of the build's first layer shard for the ops it holds
+(with `--manifest`; the authority, as the residency check is), else of the probe program, which
+being small and standalone may be placed differently from the same op inside a layer.
 """
 
 from __future__ import annotations
@@ -127,13 +127,16 @@ def judge(outputs: dict[str, np.ndarray], inputs: dict[str, np.ndarray]
     return results, f"clip(NaN) -> {', '.join(kinds)}"
 
 
-def placements(report: Any) -> dict[str, str]:
-    """Where each of the probe's ops is planned, from a `ResidencyReport` of the probe package:
-    its device class name, "NeuralEngine", or "unplanned" (the plan gave no device)."""
+def placements(report: Any, present: set[str] | None = None) -> dict[str, str]:
+    """Where each op kind of a package is planned, from its `ResidencyReport`: the device class
+    name(s) off the Neural Engine, "NeuralEngine", or "unplanned" (the plan gave no device).
+    `present`: the op kinds the package holds (None: all four, as the probe program does)."""
     from ane_spec.probes.residency import op_kind
 
     found: dict[str, str] = {}
     for kind in ("equal", "greater_equal", "select", "clip"):
+        if present is not None and kind not in present:
+            continue
         off = sorted({o["device"] for o in report.non_ane_ops if op_kind(o["op"]) == kind})
         if off:
             found[kind] = "/".join(d.removeprefix("ML").removesuffix("ComputeDevice")
@@ -166,6 +169,7 @@ def recommend(results: dict[str, OpResult], where: dict[str, str]) -> tuple[str 
 
 
 def to_details(results: dict[str, OpResult], clip_nan: str, where: dict[str, str],
-               form: str | None, reason: str) -> dict[str, Any]:
+               source: dict[str, str], form: str | None, reason: str) -> dict[str, Any]:
     return {"semantics": {k: asdict(v) for k, v in results.items()}, "clip_nan": clip_nan,
-            "placement": where, "recommended_mask_form": form, "reason": reason}
+            "placement": where, "placement_source": source, "recommended_mask_form": form,
+            "reason": reason}
