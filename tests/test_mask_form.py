@@ -17,6 +17,7 @@ from coremltools.converters.mil.mil import types
 from ane_spec.cli import main
 from ane_spec.decode.session import DecodeSession, GenerateOptions
 from ane_spec.manifests.store import load_manifest
+from ane_spec.model.inspect import describe_build, format_build
 from ane_spec.probes.gates import open_pipeline
 from ane_spec.probes.overflow import run_overflow
 from ane_spec.runtime.host_inputs import MASK_VALUE
@@ -48,6 +49,7 @@ def test_additive_programs_hold_no_select_equal_or_greater_equal(builds: dict) -
     for form, folder in builds.items():
         loaded = load_manifest(folder)
         assert loaded.manifest.build.mask_form == form
+        assert f"mask form {form}" in format_build(describe_build(folder))  # `inspect FOLDER`
         for shard in loaded.manifest.shards:
             ops = read_package_facts(loaded.path(shard.file)).ops
             layers = shard.layers[1] - shard.layers[0]
