@@ -41,12 +41,14 @@ i.e. B < (65504 - |M|) / 2. M = -32768 balances the two: both hold for every |sc
 (and the power of two is exact in fp16). Exactness against `select`: where every K/V row is
 finite and every score has |score| < 16368, a visible score + 0 is the same value, a hidden
 slot's term is exactly 0 in both forms, so the row maximum, the sum and every weight are the
-same bits, and 0 x finite V = 0 in both: the outputs are bitwise identical (tests/test_mask_form.py compares logits and tokens through the
-fp16 interpreter). What `additive` loses: (1) a NaN row (an overflowing padding row or rejected
-draft: inf turns to NaN at the next layer_norm) passes `clip`, and the scatter's 0 x NaN
-poisons every slot of the cache for good; (2) a hidden score more than ~32750 above the row's
-largest visible one (inf, from a slot holding FP16_MAX K rows) gets weight, or NaN. The overflow probe shows both
-and reports them as the additive form's known exposure (probes/overflow.py).
+same bits, and 0 x finite V = 0 in both: the outputs are bitwise identical
+(tests/test_mask_form.py compares logits and tokens through the fp16 interpreter). What
+`additive` loses: (1) a NaN row (an overflowing padding row or rejected draft: inf turns to NaN
+at the next layer_norm) passes `clip`, and the scatter's 0 x NaN poisons every slot of the
+cache for good; (2) a hidden score more than ~32750 above the row's largest visible one (inf,
+from a slot holding FP16_MAX K rows) gets weight, or NaN. The overflow probe shows both and
+reports them as the additive form's known exposure (probes/overflow.py); the doctor's mask-ops
+check says which form a Mac should use (probes/mask_ops.py).
 """
 
 from __future__ import annotations
@@ -66,7 +68,6 @@ from ane_spec.shards.weights import ConvWeight
 Layout = Literal["BC1T", "BCT1"]
 LAYOUTS: tuple[Layout, ...] = ("BCT1", "BC1T")
 MaskForm = Literal["select", "additive"]
-MASK_FORMS: tuple[MaskForm, ...] = ("select", "additive")
 
 
 @dataclass
