@@ -135,7 +135,8 @@ def cmd_build(args: argparse.Namespace) -> int:
                            layout=args.layout, head_chunks=args.head_chunks,
                            head_argmax=args.head_argmax, max_shard_mb=args.max_shard_mb,
                            min_weight_cosine=args.min_weight_cosine,
-                           force_ane_limits=args.force_ane_limits)
+                           force_ane_limits=args.force_ane_limits,
+                           mask_form=args.mask_form)
     result = build(_model_path(args.gguf), args.out, request, force=args.force,
                    progress=lambda msg: tqdm.write(f"[build] {msg}", file=sys.stderr))
     for line in result.summary:
@@ -558,6 +559,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "group of rows, else fp16; the others force one format")
     p.add_argument("--layout", choices=["BCT1", "BC1T"], default="BCT1",
                    help="hidden-state layout [1,d,T,1] (ane-book, default) or [1,d,1,T] (Apple)")
+    p.add_argument("--mask-form", choices=["select", "additive"], default="select",
+                   help="how layers hide K/V slots: select (default; exact whatever an "
+                   "overflowing row holds) or additive (clip and an added mask only, the ops "
+                   "Anemll and ane-book run on the ANE; loses that exactness: see `ane-spec "
+                   "doctor`, whose mask-ops check says which a Mac should use)")
     p.add_argument("--head-chunks", type=int, default=4)
     p.add_argument("--head-argmax", action="store_true",
                    help="head emits per-chunk max and argmax instead of logits (greedy only)")

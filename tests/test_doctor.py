@@ -18,7 +18,8 @@ from ane_spec.probes.doctor_report import to_markdown
 from ane_spec.shards.build import BuildRequest, build
 
 ON_MAC = sys.platform == "darwin"
-CORE_ML_PROBES = {"neural-engine", "synthetic-t4 d1024 (Core ML)", "synthetic-t4 phi (Core ML)"}
+CORE_ML_PROBES = {"neural-engine", "synthetic-t4 d1024 (Core ML)", "synthetic-t4 phi (Core ML)",
+                  "mask-ops"}
 CORE_ML_BUILD = {"residency", "cold-jit", "warm-latency", "peak-memory", "ane-vs-cpu"}
 CORE_ML_ONLY = CORE_ML_PROBES | CORE_ML_BUILD
 MODEL_CHECKS = {"row-invariance", "overflow", "block", "drift", "parity"}
@@ -81,11 +82,11 @@ def test_with_a_build_json_and_markdown(build_dir: Path, tmp_path: Path, capsys)
     assert checks["kv-slots"]["details"]["ane_slots"] > 100
     assert "resident slots fit" in checks["kv-slots"]["summary"]
     # decode-shape (mixed, no Core ML here) and argmax-head (a logits build) skip too.
-    assert out["counts"] == {"passed": 10, "failed": 0, "skipped": 10}
+    assert out["counts"] == {"passed": 10, "failed": 0, "skipped": 11}
 
     markdown = report.read_text()
     assert markdown.startswith("## ane-spec doctor") and "| parity | passed |" in markdown
-    assert len(markdown.splitlines()) < 30 and len(markdown) < 4000  # pastes into an issue
+    assert len(markdown.splitlines()) < 32 and len(markdown) < 4000  # pastes into an issue
 
 
 def test_a_failing_check_fails_the_command(tiny_gguf_conditioned: Path, tmp_path: Path,
@@ -167,6 +168,10 @@ def test_doctor_end_to_end_through_the_standin(build_dir: Path, tmp_path: Path,
         assert checks[name]["status"] == "skipped", checks[name]
         assert "needs Apple hardware" in checks[name]["summary"], checks[name]
     assert "structure only" in checks["residency"]["summary"]
+    # mask-ops computes on the stand-in; with no plan table, placement and advice are unknown.
+    assert checks["mask-ops"]["status"] == "passed", checks["mask-ops"]
+    assert body["mask_form"]["mask_form"] is None and "select unplanned" in checks[
+        "mask-ops"]["summary"]
     # MLComputeDevice.get_all_compute_devices() runs through the stand-in, which says so.
     assert checks["neural-engine"]["status"] == "passed", checks["neural-engine"]
     assert checks["neural-engine"]["summary"].startswith("Neural Engine with 16 cores (device "

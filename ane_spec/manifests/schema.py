@@ -129,6 +129,9 @@ class BuildOptions(_Strict):
     head_chunks: Count
     head_argmax: bool
     min_weight_cosine: float = Field(gt=0.0, le=1.0)
+    # How the layers hide slots (shards/layer_graph.py): "select" (exact whatever a row holds)
+    # or "additive" (clip and an added mask only). Builds from before it was recorded: select.
+    mask_form: Literal["select", "additive"] = "select"
 
 
 class PackageEntry(_Strict):

@@ -88,6 +88,7 @@ def describe_build(folder: Path) -> dict[str, Any]:
     formats = Counter(t["format"] for p in packages.values() for t in p["tensors"].values())
     return {"path": str(folder), "name": m.name, "source": m.source.path,
             "weights": m.build.weights, "min_weight_cosine": m.build.min_weight_cosine,
+            "mask_form": m.build.mask_form,
             "formats": dict(sorted(formats.items())), "embeddings": m.embeddings.format,
             "packages": packages}
 
@@ -97,7 +98,7 @@ def format_build(d: dict[str, Any]) -> str:
              f"  weights {d['weights']}, floor {d['min_weight_cosine']}: "
              + (", ".join(f"{f} x{n}" for f, n in d["formats"].items())
                 or "no per-tensor record (built before per-tensor formats)")
-             + f"; host embeddings {d['embeddings']}"]
+             + f"; host embeddings {d['embeddings']}; mask form {d['mask_form']}"]
     for path, p in d["packages"].items():
         lines.append(f"  {path} ({p['bytes'] / 2**20:,.1f} MiB)")
         for name, t in p["tensors"].items():

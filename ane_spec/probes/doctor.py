@@ -285,6 +285,49 @@ def synthetic_on_coreml(dims: str) -> CheckFn:
     return functools.partial(check_synthetic_on_coreml, dims)
 
 
+@core_ml_check
+def check_mask_ops(run: DoctorRun) -> Verdict:
+    """equal(NaN, NaN) false, select picks, greater_equal marks, clip(+-inf) saturates, on the
+    device, and where the compute plan puts each: which `--mask-form` this Mac should use
+    (probes/mask_ops.py). A wrong op fails the check; placement only steers the advice."""
+    run.need_coreml()
+    import coremltools as ct
+
+    from ane_spec.probes import mask_ops
+    from ane_spec.probes.residency import residency_report
+    from ane_spec.runtime.coreml_backend import compile_package, hardware_problem
+
+    path = mask_ops.build_probe(run.work / "mask-ops.mlpackage")
+    inputs = mask_ops.probe_inputs()
+    model = ct.models.CompiledMLModel(str(compile_package(path)), ct.ComputeUnit.CPU_AND_NE)
+    results, clip_nan = mask_ops.judge(model.predict(inputs), inputs)
+    del model
+    where = mask_ops.placements(residency_report(path, "CPU_AND_NE"))
+    source = dict.fromkeys(where, "probe program")
+    if run.build is not None:  # the build's own plan says where its ops go: it takes precedence
+        from ane_spec.shards.static_checks import read_package_facts
+
+        label, shard, sha = run.packages()[0]
+        run.progress(f"compute plan of {label} (mask ops)")
+        planned = mask_ops.placements(residency_report(shard, "CPU_AND_NE", sha256=sha),
+                                      set(read_package_facts(shard).ops))
+        where |= planned
+        source |= dict.fromkeys(planned, label)
+    form, reason = mask_ops.recommend(results, where)
+    details = mask_ops.to_details(results, clip_nan, where, source, form, reason)
+    if hardware_problem():  # results computed, and any placement given, by a stand-in
+        details["stand_in"] = hardware_problem()
+    wrong = [f"{op} ({r.example})" for op, r in results.items() if not r.right]
+    placed = (", ".join(f"{op} {d}" for op, d in where.items())
+              + f" (plan of the {' and '.join(sorted(set(source.values())))})")
+    advice = f"use --mask-form {form}" if form else "no mask-form advice"
+    head = ("wrong: " + "; ".join(wrong) if wrong else
+            "equal(NaN,NaN) false, select picks, greater_equal marks, clip(+-inf) saturates")
+    note = (" (clip is wrong: both forms rely on it)" if not results["clip"].right else "")
+    return Verdict("failed" if wrong else "passed",
+                   f"{head}{note}; {clip_nan}; planned: {placed}; {advice}: {reason}", details)
+
+
 # --- the build on Core ML -----------------------------------------------------------------
 
 @core_ml_check
@@ -648,6 +691,7 @@ CHECKS: list[tuple[str, CheckFn]] = [
     ("synthetic-t4 tiny (interpreter fp16)", check_synthetic_tiny),
     ("synthetic-t4 d1024 (Core ML)", synthetic_on_coreml("d1024")),
     ("synthetic-t4 phi (Core ML)", synthetic_on_coreml("phi")),
+    ("mask-ops", check_mask_ops),  # which --mask-form: its own small program, not the build's
     ("residency", check_residency),
     ("cold-jit", check_cold_jit),  # the first predictions with the build's shards: keep first
     ("warm-latency", check_warm_latency),

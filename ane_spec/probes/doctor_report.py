@@ -20,10 +20,29 @@ def counts(checks: list[Check]) -> dict[str, int]:
     return {status: found[status] for status in ("passed", "failed", "skipped")}
 
 
+def mask_form_advice(checks: list[Check]) -> dict[str, Any] | None:
+    """The mask-ops check's advice, {"mask_form": "select"|"additive"|None, "reason": ...}, or
+    None where it did not run to a result (skipped, or not in this run)."""
+    check = next((c for c in checks if c.name == "mask-ops"), None)
+    if check is None or "recommended_mask_form" not in (check.details or {}):
+        return None
+    return {"mask_form": check.details["recommended_mask_form"],
+            "reason": check.details["reason"]}
+
+
+def _advice_line(checks: list[Check]) -> str | None:
+    advice = mask_form_advice(checks)
+    if advice is None:
+        return None
+    form = f"--mask-form {advice['mask_form']}" if advice["mask_form"] else "undetermined"
+    return f"mask form for this Mac: {form} ({advice['reason']})"
+
+
 def to_json(checks: list[Check], manifest: str | None) -> str:
     environment = next((c.details for c in checks if c.name == "environment"), {})
     body: dict[str, Any] = {"manifest": manifest, "environment": environment,
                             "counts": counts(checks), "cost": cost(checks),
+                            "mask_form": mask_form_advice(checks),
                             "checks": [{"name": c.name, "status": c.status, "summary": c.summary,
                                         "seconds": c.seconds, "details": c.details}
                                        for c in checks]}
@@ -49,6 +68,9 @@ def _cost_line(checks: list[Check]) -> str:
 def to_lines(checks: list[Check]) -> str:
     lines = [f"{_MARK[c.status]}  {c.name}: {c.summary}" for c in checks]
     n = counts(checks)
+    advice = _advice_line(checks)
+    if advice:
+        lines.append(advice)
     lines.append(f"{n['passed']} passed, {n['failed']} failed, {n['skipped']} skipped; "
                  + _cost_line(checks))
     return "\n".join(lines)
@@ -62,7 +84,10 @@ def to_markdown(checks: list[Check], manifest: str | None) -> str:
         out += [f"- {env.summary}", f"- Core ML: {env.details.get('core_ml', '?')}"]
     out += [f"- build: `{manifest}`" if manifest else "- build: none (no --manifest)",
             f"- {n['passed']} passed, {n['failed']} failed, {n['skipped']} skipped",
-            f"- {_cost_line(checks)}", "",
+            f"- {_cost_line(checks)}"]
+    advice = _advice_line(checks)
+    out += [f"- {advice}"] if advice else []
+    out += ["",
             "| check | status | result |", "|---|---|---|"]
     out += [f"| {c.name} | {c.status} | {_cell(c.summary)} |" for c in checks
             if c.name != "environment"]

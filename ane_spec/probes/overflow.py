@@ -24,6 +24,15 @@ tolerance (as `row_invariance` does), against the same passes with the row left 
 and, after every pass, every state value must be finite. Poisons: +inf, -inf, NaN, the three
 alternating, and 7e4 (inf in fp16; a large but ordinary value in fp32, so there the cases test
 that a different row writes nothing outside its slot).
+
+A build with `--mask-form additive` (shards/layer_graph.py) gives this up by choice: its K/V
+write is `clip` alone and its mask is added, so a row that overflows (NaN by the next
+layer_norm) poisons every slot, and a hidden slot holding FP16_MAX K can win. The probe does not
+fail such a build for what it was built to give up: those cases (every non-finite poison, every
+hidden-slot fill) are run and counted as its known exposure (`exposed_cases`, named in the
+verdict, which says that speculative decoding then equals greedy only while no row overflows),
+and every other case must still pass (in fp32 the 7e4 rows stay finite and must change
+nothing). A select-form build is held to every case, whatever its test variants do.
 """
 
 from __future__ import annotations
@@ -87,15 +96,34 @@ def run_overflow(pipeline: ShardPipeline, prefix_lengths: tuple[int, ...] = (9,)
         cases += _padding_and_filler(pipeline, filled, p, tokens[0], fillers)
         cases += _rejected_draft(pipeline, filled, p, tokens)
         cases += _hidden_slots(pipeline, filled, p, tokens[0])
-    failures = [f"prefix {c['prefix_tokens']}, {c['case']}, {c['poison']}" for c in cases
-                if not c["identical"] or not c["finite"]]
+    additive = pipeline.manifest.build.mask_form == "additive"
+    for c in cases:
+        c["known_exposure"] = additive and in_additive_exposure(
+            c["case"], c["poison"], pipeline.backend.precision)
+    leaks = [c for c in cases if not c["identical"] or not c["finite"]]
+    failures = [f"prefix {c['prefix_tokens']}, {c['case']}, {c['poison']}" for c in leaks
+                if not c["known_exposure"]]
+    exposed = [c for c in leaks if c["known_exposure"]]
     passed = not failures
     figures = {"cases": len(cases), "differing_cases": sum(not c["identical"] for c in cases),
                "non_finite_cases": sum(not c["finite"] for c in cases),
-               "verdict": _verdict(pipeline, passed, failures)}
+               "mask_form": pipeline.manifest.build.mask_form, "exposed_cases": len(exposed),
+               "cases_outside_known_exposure": len(failures),
+               "verdict": _verdict(pipeline, passed, failures, exposed)}
+    unexposed = {"differing_cases": 0, "non_finite_cases": 0}
     return GateReport("overflow", passed, pipeline.backend.name, pipeline.backend.precision,
-                      figures, {"differing_cases": 0, "non_finite_cases": 0},
+                      figures, {"cases_outside_known_exposure": 0} if additive else unexposed,
                       {"cases": cases, "failures": failures})
+
+
+def in_additive_exposure(case: str, poison: str, precision: str | None) -> bool:
+    """Whether an additive-form build may leak in this case by design: a hidden slot holding
+    FP16_MAX K (its score can beat the added mask), or a row poisoned with a value that is not
+    finite at the backend's precision (it reaches the scatter as NaN, which `clip` keeps).
+    7e4 is inf once cast to fp16 (Core ML's inputs are fp16: precision None), finite in fp32."""
+    if case == "hidden-slot":
+        return True
+    return poison != "7e4" or precision != "fp32"
 
 
 def _padding_and_filler(pipeline: ShardPipeline, filled: PipelineState, p: int, token: int,
@@ -182,8 +210,16 @@ def _case(p: int, case: str, poison: str, clean: Outcome, dirty: Outcome, slots:
             "identical": rows_equal and states_equal}
 
 
-def _verdict(pipeline: ShardPipeline, passed: bool, failures: list[str]) -> str:
+def _verdict(pipeline: ShardPipeline, passed: bool, failures: list[str],
+             exposed: list[dict]) -> str:
     where = pipeline.backend.describe()
+    if passed and pipeline.manifest.build.mask_form == "additive":
+        kinds = ", ".join(sorted({c["case"] for c in exposed})) or "none seen"
+        return (f"additive mask form on {where}: KNOWN EXPOSURE, {len(exposed)} case(s) leak "
+                f"as that form is documented to ({kinds}: an overflowing row's NaN poisons "
+                "every slot, a hidden slot holding FP16_MAX K can win); every other case is "
+                "identical. Speculative decoding equals greedy only while no row overflows "
+                "fp16; build with --mask-form select for the guarantee")
     if passed:
         return (f"finite-safe on {where}: a row that overflows fp16 (padding, filler, rejected "
                 "draft) changes no other slot and no other row, and hidden slots cannot win")

@@ -26,10 +26,12 @@ import numpy as np
 from ane_spec.errors import AneSpecError
 from ane_spec.model.rope import RopeSpec
 
-# The attn_mask value of a hidden slot (visible slots are 0). The layers select on its sign
-# (`layer_graph.attention`) rather than add it, so no score can outweigh it; it stays -1e4, a
-# finite fp16 value, so the input means the same to a program that adds it.
-MASK_VALUE = -1.0e4
+# The attn_mask value of a hidden slot (visible slots are 0), one feed for both mask forms
+# (manifest build.mask_form). The select form selects on its sign, so no score can outweigh it;
+# the additive form adds it, and needs exactly this value: -32768 (= layer_graph.HIDDEN_SCORE)
+# gives hidden slots 0 weight with no fp16 overflow for every |score| < 16368 (the reasoning is
+# in layer_graph's docstring). A power of two: exact in fp16 and fp32 alike.
+MASK_VALUE = -32768.0
 
 
 @dataclass

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import gc
 import hashlib
 import json
@@ -57,7 +58,7 @@ from ane_spec.manifests.schema import (
 from ane_spec.manifests.store import file_ref, hash_path, load_manifest, write_manifest
 from ane_spec.model.gguf_file import GGUFModel, open_gguf
 from ane_spec.shards.embeddings import write_embeddings
-from ane_spec.shards.layer_graph import CORRECT, GraphVariant, Layout
+from ane_spec.shards.layer_graph import CORRECT, GraphVariant, Layout, MaskForm
 from ane_spec.shards.layer_weights import finite_vector, layer_tensor_names, layer_weights
 from ane_spec.shards.output_dir import OutputLock, building_dir, recover, swap_into_place
 from ane_spec.shards.programs import (
@@ -99,6 +100,7 @@ class BuildRequest(BaseModel):
     max_seq: int = 2048
     weights: WeightFormat = "auto"
     layout: Layout = "BCT1"
+    mask_form: MaskForm = "select"   # layer_graph's module docstring: what additive gives up
     head_chunks: int = 4
     head_argmax: bool = False
     force_ane_limits: bool = False   # build what ane_limits refuses (it is said, not silent)
@@ -125,6 +127,11 @@ def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
     `variant` exists only for the gates' tests, which need deliberately broken builds.
     """
     started = time.monotonic()
+    if variant.mask_form not in (CORRECT.mask_form, request.mask_form):
+        raise ValueError(f"the variant's mask form {variant.mask_form!r} contradicts the "
+                         f"request's {request.mask_form!r}")
+    # The request decides the mask form, so the manifest records what the programs are.
+    variant = dataclasses.replace(variant, mask_form=request.mask_form)
     say = progress or (lambda _msg: None)
     out = Path(out_dir)
     model = open_gguf(gguf_path)
@@ -361,7 +368,8 @@ def _options(r: BuildRequest, ranges: list[tuple[int, int]], vocab_size: int) ->
                         layout=r.layout, weights=r.weights,
                         head_chunks=len(head_chunk_bounds(vocab_size, r.head_chunks,
                                                           r.head_argmax)),
-                        head_argmax=r.head_argmax, min_weight_cosine=r.min_weight_cosine)
+                        head_argmax=r.head_argmax, min_weight_cosine=r.min_weight_cosine,
+                        mask_form=r.mask_form)
 
 
 def _fingerprint(options: BuildOptions, r: BuildRequest, what: tuple, tensor_sha: dict[str, str],

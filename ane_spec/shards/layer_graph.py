@@ -34,6 +34,28 @@ so one unclean row would poison every slot, for good (`state * keep` cannot clea
 K/V rows are made finite before the scatter (`finite_rows`), and the attention mask selects
 instead of adding: a hidden slot's score is replaced, whatever it holds, where an additive mask
 loses to any score more than |mask| above the row's visible ones.
+
+Two mask forms (`GraphVariant.mask_form`, `ane-spec build --mask-form`). `select` is the above.
+No peer has shown `select`, `equal` or `greater_equal` on the ANE; if they fall to the CPU each
+layer pays three round trips. `additive` uses only what Anemll, ml-ane-transformers and ane-book
+run there: `finite_rows` is `clip` alone, and the host's mask (0 visible, MASK_VALUE = -32768
+hidden) is added to the scores. Why -32768 (fp16; B bounds |score| over a row's slots): a hidden
+slot's `score + M` is at most B + M, and exp gives exactly 0 below -17.33 (fp16's smallest
+subnormal is 2^-24 = e^-16.6, and e^x under half of it rounds to 0), so hidden weights are 0 when
+B + M - (-B) < -17.4, i.e. B < (|M| - 17.4) / 2; and the softmax's `score + M - max` stays
+finite (no value of the program relies on how a device treats inf) when -B + M - B > -65504,
+i.e. B < (65504 - |M|) / 2. M = -32768 balances the two: both hold for every |score| < 16368
+(and the power of two is exact in fp16). Exactness against `select`: where every K/V row is
+finite and every score has |score| < 16368, a visible score + 0 is the same value, a hidden
+slot's term is exactly 0 in both forms, so the row maximum, the sum and every weight are the
+same bits, and 0 x finite V = 0 in both: the outputs are bitwise identical
+(tests/test_mask_form.py compares logits and tokens through the fp16 interpreter). What
+`additive` loses: (1) a NaN row (an overflowing padding row or rejected draft: inf turns to NaN
+at the next layer_norm) passes `clip`, and the scatter's 0 x NaN poisons every slot of the
+cache for good; (2) a hidden score more than ~32750 above the row's largest visible one (inf,
+from a slot holding FP16_MAX K rows) gets weight, or NaN. The overflow probe shows both and
+reports them as the additive form's known exposure (probes/overflow.py); the doctor's mask-ops
+check says which form a Mac should use (probes/mask_ops.py).
 """
 
 from __future__ import annotations
@@ -51,6 +73,7 @@ from ane_spec.shards.weights import ConvWeight
 
 Layout = Literal["BC1T", "BCT1"]
 LAYOUTS: tuple[Layout, ...] = ("BCT1", "BC1T")
+MaskForm = Literal["select", "additive"]
 
 
 @dataclass
@@ -74,8 +97,8 @@ class BlockInputs:
 
     cos: Var        # [T, rot/2]
     sin: Var
-    attn_mask: Var  # [1, 1, T, S]: 0 visible, MASK_VALUE hidden (added only by a test variant)
-    visible: Var    # [1, 1, T, S] bool: attn_mask >= 0, what the layers select on
+    attn_mask: Var  # [1, 1, T, S]: 0 visible, MASK_VALUE hidden (added in the additive form)
+    visible: Var | None  # [1, 1, T, S] bool: attn_mask >= 0 (select form; None in additive)
     write: Var      # [1, 1, S, T]
     keep: Var       # [1, 1, S, 1]: 1 - rowsum(write), computed once per shard
     # Sliding-window layers' RoPE tables and visibility (models with local layers only).
@@ -202,28 +225,33 @@ FP16_MAX = np.float16(65504.0)
 # gives every hidden slot exactly 0 weight (fp16 exp underflows 17.3 below the row's maximum),
 # and the softmax's `score - max` stays finite for maxima below 32736 (-65504 would overflow to
 # -inf as soon as a row's maximum passed 16). A row with no visible slot stays finite (uniform),
-# never NaN, as it would be with -inf (-inf - -inf).
+# never NaN, as it would be with -inf (-inf - -inf). The additive form adds this same value
+# (the host's MASK_VALUE) to hidden scores: see the module docstring for its margin.
 HIDDEN_SCORE = np.float16(-32768.0)
 
 
-def finite_rows(rows: Var, name: str) -> Var:
+def finite_rows(rows: Var, name: str, mask_form: MaskForm = "select") -> Var:
     """`rows` with +-inf saturated to +-FP16_MAX and NaN replaced by 0: every value finite.
+    In the additive form `clip` only: NaN stays (the exposure the module docstring states).
 
     The scatter then computes 0 x finite = 0 for every slot a row does not write, exactly, so
     slots other than a row's own are bit-identical whatever that row computed. `clip` alone would
     leave NaN (min/max propagate it), and NaN is what an overflowing row usually holds: an inf
     activation turns to NaN in the next layer_norm (inf - inf)."""
+    if mask_form == "additive":
+        return mb.clip(x=rows, alpha=-FP16_MAX, beta=FP16_MAX, name=name)
     bounded = mb.clip(x=rows, alpha=-FP16_MAX, beta=FP16_MAX)
     # NaN is the one value not equal to itself.
     return mb.select(cond=mb.equal(x=bounded, y=bounded), a=bounded, b=np.float16(0.0),
                      name=name)
 
 
-def scatter_rows(state: Var, rows: Var, io: BlockInputs, name: str, clean: bool = True) -> Var:
+def scatter_rows(state: Var, rows: Var, io: BlockInputs, name: str, clean: bool = True,
+                 mask_form: MaskForm = "select") -> Var:
     """Write T new rows [1, kv, T, hd] into slots chosen by the one-hot write mask.
     `clean=False` scatters the rows as computed: only for the overflow probe's test."""
     if clean:
-        rows = finite_rows(rows, name + "_rows")
+        rows = finite_rows(rows, name + "_rows", mask_form)
     placed = mb.matmul(x=io.write, y=rows)                  # [1, kv, S, hd]
     return mb.add(x=mb.mul(x=state, y=io.keep), y=placed, name=name)
 
@@ -236,13 +264,14 @@ def hide_slots(scores: Var, visible: Var) -> Var:
 
 def attention(q: Var, keys: Var, values: Var, io: BlockInputs, c: ModelConfig,
               fp32_softmax: bool = False, additive_mask: bool = False) -> Var:
-    """Softmax attention over all S slots; returns [1, H, T, hd]."""
+    """Softmax attention over all S slots; returns [1, H, T, hd]. `additive_mask`: the mask is
+    added (the additive form, or the select form's test variant), else selected on."""
     h, kv, hd, slots = c.num_heads, c.num_kv_heads, c.head_dim, keys.shape[2]
     # Query head h uses KV head h // group: fold each group's heads into the row axis.
     grouped = mb.reshape(x=q, shape=[1, kv, -1, hd])                    # [1, kv, G*T, hd]
     scores = mb.matmul(x=grouped, y=keys, transpose_y=True)             # [1, kv, G*T, S]
     scores = mb.reshape(x=scores, shape=[1, h, -1, slots])
-    if additive_mask:  # the mask this compiler once had; only for the overflow probe's test
+    if additive_mask:
         scores = mb.add(x=scores, y=io.attn_mask)
     else:
         scores = hide_slots(scores, io.visible)
@@ -285,7 +314,10 @@ def merge_heads(o: Var, c: ModelConfig, layout: Layout, flatten: str = "head_dim
 
 @dataclass(frozen=True)
 class GraphVariant:
-    """Deliberate defects for gate tests; the default builds the correct graph."""
+    """Which graph to build: the mask form (a build option), and deliberate defects for gate
+    tests; the default builds the correct select-form graph."""
+
+    mask_form: MaskForm = "select"  # see the module docstring: what additive keeps and loses
 
     rotate_all_dims: bool = False
     drop_attn_factor: bool = False
@@ -294,7 +326,8 @@ class GraphVariant:
     fp32_softmax: bool = False  # cast -> softmax in fp32 -> cast: must fail the static checks
     # The KV write and mask before they were finite-safe: must fail the overflow probe.
     unclean_kv_write: bool = False  # K/V rows scattered as computed: 0 x inf = NaN everywhere
-    additive_mask: bool = False     # scores + attn_mask: loses to a hidden score above ~1e4
+    additive_mask: bool = False     # scores + attn_mask with select-form finite rows: loses to
+    #                                 a hidden score above ~|MASK_VALUE|
 
 
 CORRECT = GraphVariant()
@@ -339,14 +372,15 @@ def decoder_layer(x: Var, i: int, w: LayerWeights, io: BlockInputs, k_state: Var
         k, v = v, k
     # Attention reads what coreml_update_state returns: the canonical in-place pattern that
     # coremltools' state passes expect (reading the pre-update var breaks them).
-    clean = not variant.unclean_kv_write
+    clean, form = not variant.unclean_kv_write, variant.mask_form
     keys = mb.coreml_update_state(state=k_state, value=scatter_rows(
-        mb.read_state(input=k_state), k, io, p + "k_new", clean))
+        mb.read_state(input=k_state), k, io, p + "k_new", clean, form))
     values = mb.coreml_update_state(state=v_state, value=scatter_rows(
-        mb.read_state(input=v_state), v, io, p + "v_new", clean))
+        mb.read_state(input=v_state), v, io, p + "v_new", clean, form))
 
-    o = merge_heads(attention(q, keys, values, io, c, variant.fp32_softmax,
-                              variant.additive_mask), c, layout, variant.flatten)
+    additive = variant.additive_mask or form == "additive"
+    o = merge_heads(attention(q, keys, values, io, c, variant.fp32_softmax, additive), c,
+                    layout, variant.flatten)
     x = mb.add(x=x, y=post_norm(_conv(o, w.attn_output, p + "o_w"), w.post_attn_norm, c,
                                 p + "post_attn_norm"))
 

@@ -84,14 +84,17 @@ def layer_program(first_layer: int, layers: Sequence[LayerWeights], c: ModelConf
         write = inputs[KV_WRITE_MASK]
         keep = mb.sub(x=np.float16(1.0), y=mb.reduce_sum(x=write, axes=[3], keep_dims=True),
                       name="kv_keep")
+        additive = variant.mask_form == "additive"
         if c.has_local_layers:
             io = _split_local_inputs(inputs, write, keep, c,
-                                     [c.is_local(first_layer + n) for n in range(len(layers))])
+                                     [c.is_local(first_layer + n) for n in range(len(layers))],
+                                     additive)
         else:
             # The host marks hidden slots with a negative value (host_inputs.MASK_VALUE),
-            # visible ones with 0; the layers select on it rather than add it.
-            visible = mb.greater_equal(x=inputs[ATTN_MASK], y=np.float16(0.0),
-                                       name="attn_visible")
+            # visible ones with 0; the select form selects on it, the additive form adds it
+            # (and has no greater_equal: it is made only of ops peers ran on the ANE).
+            visible = None if additive else mb.greater_equal(
+                x=inputs[ATTN_MASK], y=np.float16(0.0), name="attn_visible")
             io = BlockInputs(cos=inputs[COS], sin=inputs[SIN], attn_mask=inputs[ATTN_MASK],
                              visible=visible, write=write, keep=keep)
         x = inputs[HIDDEN_IN]
@@ -107,7 +110,7 @@ def layer_program(first_layer: int, layers: Sequence[LayerWeights], c: ModelConf
 
 
 def _split_local_inputs(inputs: dict, write: Var, keep: Var, c: ModelConfig,
-                        local: list[bool]) -> BlockInputs:
+                        local: list[bool], additive: bool) -> BlockInputs:
     """The global and local halves of the stacked inputs, sliced once per shard; only the
     halves some layer of the shard reads (an all-local shard has no global slice)."""
     half = c.rope_dims // 2
@@ -123,8 +126,8 @@ def _split_local_inputs(inputs: dict, write: Var, keep: Var, c: ModelConfig,
                                  end_mask=[True, False, True, True], name="attn_mask" + suffix)
         return BlockInputs(cos=cols(inputs[COS], "rope_cos"), sin=cols(inputs[SIN], "rope_sin"),
                            attn_mask=mask, write=write, keep=keep,
-                           visible=mb.greater_equal(x=mask, y=np.float16(0.0),
-                                                    name="attn_visible" + suffix))
+                           visible=None if additive else mb.greater_equal(
+                               x=mask, y=np.float16(0.0), name="attn_visible" + suffix))
 
     local_io = part(1, "_local") if any(local) else None
     if all(local):  # no global layer reads the top-level fields: they may be the local ones
