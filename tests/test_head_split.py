@@ -269,3 +269,30 @@ def test_cli_build_prints_the_split(builds: dict[str, Path], tmp_path: Path,
     err = capsys.readouterr().err
     assert "[build] LM head: 5 chunks over --max-head-mb 0.08, split into 3 packages" in err
     assert "[build] LM head package 3/3 vocabulary [819,1024): 1 chunk built" in err
+
+
+def test_doctor_checks_every_head_package(coreml_standin, builds: dict[str, Path]) -> None:
+    """The doctor's per-package checks (through the Core ML stand-in) name each head package by
+    its vocabulary rows, beside the shard."""
+    from ane_spec.probes import doctor
+
+    checks = {c.name: c for c in doctor.run_doctor(
+        builds["logits-split"], decode_shape="mixed",
+        checks=[("decode-shape", doctor.check_decode_shape_placement),
+                ("residency", doctor.check_residency)])}
+    assert sorted(checks["decode-shape"].details["off_ane"]) == [
+        "head 0-408", "head 409-818", "head 819-1023", "shard 0-0"]
+    assert "in 4 package(s) read" in checks["residency"].summary
+
+
+def test_lint_flags_a_head_package_over_the_head_budget(builds: dict[str, Path]) -> None:
+    """A build from before heads were split can hold a head no one measured resident: the
+    lint (and through it the residency gate and the doctor) says so; a layer shard is not a head."""
+    from ane_spec.probes.residency import ane_lint
+
+    one = builds["logits-one"] / "head.mlpackage"
+    (warning,) = [w for w in ane_lint(one, max_head_mb=SPLIT_MB) if w.code == "head-oversize"]
+    assert "over 0.08 MiB (ane-book's Phi-4-mini head" in warning.message
+    assert [w for w in ane_lint(one) if w.code == "head-oversize"] == []  # default: 150 MiB
+    shard = builds["logits-one"] / "shards/layers_00_01.mlpackage"
+    assert [w for w in ane_lint(shard, max_head_mb=0.001) if w.code == "head-oversize"] == []
