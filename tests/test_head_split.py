@@ -251,6 +251,10 @@ def test_a_chunk_over_the_budget_is_refused_unless_forced(builds: dict[str, Path
                                          r"--force-ane-limits"):
         build(builds["gguf"], tmp_path / "refused", request)
     assert not (tmp_path / "refused").exists()
+    with pytest.raises(BuildError, match="splits the LM head into 300 packages, more than the "
+                                         "256 a build may have"):
+        build(builds["gguf"], tmp_path / "refused", BuildRequest(max_seq=S, head_chunks=300,
+                                                                 max_head_mb=0.001))
     art = _copy(builds, "logits-one", tmp_path)
     result = build(builds["gguf"], art, request.model_copy(update={"force_ane_limits": True}),
                    force=True)
@@ -273,16 +277,19 @@ def test_cli_build_prints_the_split(builds: dict[str, Path], tmp_path: Path,
 
 def test_doctor_checks_every_head_package(coreml_standin, builds: dict[str, Path]) -> None:
     """The doctor's per-package checks (through the Core ML stand-in) name each head package by
-    its vocabulary rows, beside the shard."""
+    its vocabulary rows, beside the shard; its argmax-head check compares a split argmax head
+    with a logits head built beside it."""
     from ane_spec.probes import doctor
 
     checks = {c.name: c for c in doctor.run_doctor(
-        builds["logits-split"], decode_shape="mixed",
+        builds["argmax-split"], decode_shape="mixed", gguf=str(builds["gguf"]),
         checks=[("decode-shape", doctor.check_decode_shape_placement),
-                ("residency", doctor.check_residency)])}
+                ("residency", doctor.check_residency),
+                ("argmax-head", doctor.check_argmax_head)])}
     assert sorted(checks["decode-shape"].details["off_ane"]) == [
         "head 0-408", "head 409-818", "head 819-1023", "shard 0-0"]
     assert "in 4 package(s) read" in checks["residency"].summary
+    assert checks["argmax-head"].status == "passed", checks["argmax-head"]
 
 
 def test_lint_flags_a_head_package_over_the_head_budget(builds: dict[str, Path]) -> None:

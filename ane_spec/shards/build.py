@@ -44,6 +44,7 @@ from ane_spec.ane_limits import (
 from ane_spec.errors import AneSpecError, BuildError, ManifestError, one_line, untrusted
 from ane_spec.manifests.schema import (
     GRAPH_REVISION,
+    MAX_HEAD_PACKAGES,
     BuildOptions,
     EmbeddingsEntry,
     HeadEntry,
@@ -386,7 +387,12 @@ def _plan_head(model: GGUFModel, r: BuildRequest) -> tuple[list[tuple[int, int]]
     if refusals and not r.force_ane_limits:
         raise BuildError(f"{'; '.join(refusals)}; or pass {FORCE_ANE_LIMITS_FLAG} to build it "
                          "anyway (a head program this size was never measured resident)")
-    return plan_head_packages(sizes, r.max_head_mb), refusals
+    plan = plan_head_packages(sizes, r.max_head_mb)
+    if len(plan) > MAX_HEAD_PACKAGES:  # a manifest listing more is refused when loaded
+        raise BuildError(f"--max-head-mb {r.max_head_mb:g} splits the LM head into {len(plan)} "
+                         f"packages, more than the {MAX_HEAD_PACKAGES} a build may have; raise "
+                         "it or use fewer --head-chunks")
+    return plan, refusals
 
 
 def _check_output(out: Path, force: bool) -> None:
