@@ -303,3 +303,21 @@ def test_lint_flags_a_head_package_over_the_head_budget(builds: dict[str, Path])
     assert [w for w in ane_lint(one) if w.code == "head-oversize"] == []  # default: 150 MiB
     shard = builds["logits-one"] / "shards/layers_00_01.mlpackage"
     assert [w for w in ane_lint(shard, max_head_mb=0.001) if w.code == "head-oversize"] == []
+
+
+def test_a_package_over_the_budget_after_conversion_is_refused(
+        builds: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan costs auto as int8 per channel; a chunk that falls back to a bigger form can
+    take a package over --max-head-mb once converted. Here the plan is made to underestimate
+    (half the real size), so it packs 4 chunks where 2 fit: their real size, 819 rows of 192
+    int8 weights and an fp16 scale (0.152 MiB), refuses it."""
+    from ane_spec.shards import build as build_module
+
+    real = build_module.head_chunk_bytes
+    monkeypatch.setattr(build_module, "head_chunk_bytes",
+                        lambda *a: [s // 2 for s in real(*a)])
+    with pytest.raises(BuildError, match=r"LM-head package \[0,819\) holds 0\.152 MiB of "
+                                         r"weights, over --max-head-mb 0\.08 .*more --head-chunks"):
+        build(builds["gguf"], tmp_path / "refused", BuildRequest(
+            max_seq=S, head_chunks=CHUNKS, max_head_mb=SPLIT_MB))
+    assert not (tmp_path / "refused").exists()

@@ -78,6 +78,7 @@ from ane_spec.shards.topology import (
     check_budget,
     head_budget_problems,
     head_chunk_bytes,
+    mib,
     min_head_chunks,
     parse_topology,
     plan_head_packages,
@@ -517,7 +518,7 @@ def _build_head(model: GGUFModel, r: BuildRequest, tmp: Path, rel: str, fp: str,
         # take a package over: refused like an over-budget shard.
         fallback = sorted(n for n, ch in choices.items() if ch.format != "int8-channel")
         raise BuildError(f"LM-head package [{chunks[0][0]},{chunks[-1][1]}) holds "
-                         f"{stored / MIB:,.1f} MiB of weights, over --max-head-mb "
+                         f"{mib(stored)} MiB of weights, over --max-head-mb "
                          f"{max_mb:g} ({HEAD_PACKAGE_SOURCE})"
                          + (f" ({len(fallback)} chunk(s) fell back from int8, e.g. "
                             f"'{fallback[0]}')" if fallback else "")
