@@ -19,11 +19,13 @@ from ane_spec.probes.gates import open_pipeline
 from ane_spec.runtime.pipeline import prefill_logits
 from ane_spec.shards.build import BuildRequest, build
 from ane_spec.shards.topology import (
+    DEFAULT_MAX_HEAD_MB,
     MIB,
     head_budget_problems,
     head_chunk_bytes,
     plan_head_packages,
 )
+from ane_spec.shards.weights import estimate_bytes
 
 S = 32
 CHUNKS = 5  # tiny's 1,024-row vocabulary: chunks of 204/205 rows, ~0.04 MiB each in int8
@@ -41,12 +43,14 @@ def test_plan_fills_packages_greedily_with_whole_chunks() -> None:
     # A chunk over the budget gets a package of its own (refused unless forced, below).
     assert plan_head_packages([mib, 3 * mib, mib], 2) == [(0, 1), (1, 2), (2, 3)]
     # Phi-4-mini: 4 chunks of 50,016 x 3,072 int8 rows fit the default budget one per package,
-    # exactly the packages ane-book measured resident; two together do not.
+    # exactly the packages ane-book measured resident; two together do not. A chunk's 8-bit
+    # LUT fallback (auto's next form) fits alone too.
     chunks = [(i * 50_016, (i + 1) * 50_016) for i in range(4)]
     sizes = head_chunk_bytes(chunks, 3072, "int8-channel")
     assert [round(s / mib, 1) for s in sizes] == [146.6] * 4
-    assert plan_head_packages(sizes, 150) == [(0, 1), (1, 2), (2, 3), (3, 4)]
-    assert head_budget_problems(chunks, sizes, 150, "int8-channel", 3072) == []
+    assert plan_head_packages(sizes, DEFAULT_MAX_HEAD_MB) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert head_budget_problems(chunks, sizes, DEFAULT_MAX_HEAD_MB, "int8-channel", 3072) == []
+    assert 2 * sizes[0] > DEFAULT_MAX_HEAD_MB * mib >= estimate_bytes(50_016, 3072, "lut8")
 
 
 def test_a_chunk_over_the_budget_names_the_head_chunks_that_fit() -> None:
@@ -300,7 +304,7 @@ def test_lint_flags_a_head_package_over_the_head_budget(builds: dict[str, Path])
     one = builds["logits-one"] / "head.mlpackage"
     (warning,) = [w for w in ane_lint(one, max_head_mb=SPLIT_MB) if w.code == "head-oversize"]
     assert "over 0.08 MiB (ane-book's Phi-4-mini head" in warning.message
-    assert [w for w in ane_lint(one) if w.code == "head-oversize"] == []  # default: 150 MiB
+    assert [w for w in ane_lint(one) if w.code == "head-oversize"] == []  # default: 160 MiB
     shard = builds["logits-one"] / "shards/layers_00_01.mlpackage"
     assert [w for w in ane_lint(shard, max_head_mb=0.001) if w.code == "head-oversize"] == []
 

@@ -134,9 +134,11 @@ def min_head_chunks(vocab_size: int) -> int:
 # 50,016 x 3,072 int8 rows (146.6 MiB each with their per-channel scales), all fully
 # ANE-resident (ane-platform-notes.md: "LM head shards with 50,016 output channels were fully
 # resident"; seeds/003: "the existing batch-4 LM-head shards"). No bigger head program was
-# measured, so this is the size known to work, not a measured edge: 150 MiB holds exactly one
-# such package, and the whole 586 MiB head in one program is what nobody has seen resident.
-DEFAULT_MAX_HEAD_MB = 150.0
+# measured, so this is the size known to work, not a measured edge: 160 MiB holds one such
+# chunk, in int8 per channel or in the 8-bit LUT form auto falls back to (152.6 MiB: the same
+# conv, 4% more bytes, not measured), and never two; the whole 586 MiB head in one program is
+# what nobody has seen resident.
+DEFAULT_MAX_HEAD_MB = 160.0
 HEAD_PACKAGE_SOURCE = ("ane-book's Phi-4-mini head ran fully ANE-resident as separate packages "
                        "of 50,016 x 3,072 int8 rows, 146.6 MiB each; no larger head program "
                        "was measured")
