@@ -134,6 +134,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     request = BuildRequest(topology=args.topology, max_seq=args.max_seq, weights=args.weights,
                            layout=args.layout, head_chunks=args.head_chunks,
                            head_argmax=args.head_argmax, max_shard_mb=args.max_shard_mb,
+                           max_head_mb=args.max_head_mb,
                            min_weight_cosine=args.min_weight_cosine,
                            force_ane_limits=args.force_ane_limits,
                            mask_form=args.mask_form)
@@ -541,7 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(handler=cmd_synth)
 
-    from ane_spec.shards.topology import DEFAULT_MAX_SHARD_MB
+    from ane_spec.shards.topology import DEFAULT_MAX_HEAD_MB, DEFAULT_MAX_SHARD_MB
     from ane_spec.shards.weights import DEFAULT_MIN_WEIGHT_COSINE
 
     p = sub.add_parser("build", help="compile a Phi-4-mini GGUF into Core ML shards + manifest")
@@ -571,6 +572,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest shard's weights (default %(default)s: about 10%% under the "
                         "largest shard measured ANE-resident, 1,921 MiB; above ~2.3 GiB ran "
                         "off the ANE)")
+    p.add_argument("--max-head-mb", type=float, default=DEFAULT_MAX_HEAD_MB,
+                   help="largest LM-head package's weights: a head over it is split into "
+                        "separate packages of whole --head-chunks (default %(default)g: "
+                        "ane-book's head ran resident as packages of 146.6 MiB; no larger head "
+                        "program was measured)")
     p.add_argument("--min-weight-cosine", type=float, default=DEFAULT_MIN_WEIGHT_COSINE,
                    help="per-tensor cosine floor against the GGUF values: auto picks the first "
                         "format that reaches it; a forced format below it fails")
@@ -578,7 +584,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replace an existing output folder (unchanged shards are reused)")
     p.add_argument("--force-ane-limits", action="store_true",
                    help="build what the Neural Engine's known limits refuse (e.g. --max-seq over "
-                        "16,384); the build says each limit it overrides")
+                        "16,384, an LM-head chunk over --max-head-mb); the build says each "
+                        "limit it overrides")
     p.set_defaults(handler=cmd_build)
 
     p = sub.add_parser("generate", help="generate text with a built model (speculative by default)")

@@ -116,7 +116,7 @@ def main() -> None:
                 results[k].append((wall, peak, cpu))
                 manifest = json.loads((out / "manifest.json").read_text())
                 formats: dict[str, int] = {}
-                for p in [*manifest["shards"], manifest["head"]]:
+                for p in [*manifest["shards"], *manifest["heads"]]:
                     for t in p["quant"].get("tensors", {}).values():
                         formats[t["format"]] = formats.get(t["format"], 0) + 1
                 report.setdefault("formats", {})[k] = formats

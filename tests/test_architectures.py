@@ -179,7 +179,7 @@ def test_packages_are_fp16_only_with_each_familys_ops(builds: dict[str, Path], a
         assert facts.ops["layer_norm"] == (4 if arch == "qwen3" else 2) * n
         assert facts.states[f"layer_{shard.layers[0]}_k"] == (
             [1, 1, S, 64 if arch == "qwen3" else 32], "fp16")
-    assert dtype_problems(read_package_facts(builds[arch] / m.head.file.path)) == []
+    assert dtype_problems(read_package_facts(builds[arch] / m.heads[0].file.path)) == []
     assert m.rope.factor_set == ("freqs" if arch == "llama" else "none")
 
 

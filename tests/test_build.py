@@ -78,17 +78,17 @@ def test_build_interface_and_ops(tiny_gguf: Path, tmp_path: Path, topology: str,
             else:
                 assert dtype == "fp16" and scale is None
 
-    head = read_package_facts(out / m.head.file.path)
+    head = read_package_facts(out / m.heads[0].file.path)
     assert "fp32" not in head.output_dtypes.values() and dtype_problems(head) == []
     assert not {"cast", "identity"} & set(head.ops)
-    assert m.head.chunks == [(0, 341), (341, 682), (682, 1024)]
+    assert m.heads[0].chunks == [(0, 341), (341, 682), (682, 1024)]
     if argmax:
         assert head.outputs == ["max_0", "argmax_0", "max_1", "argmax_1", "max_2", "argmax_2"]
-        assert [o.dtype for o in m.head.outputs][:2] == ["fp16", "int32"]
+        assert [o.dtype for o in m.heads[0].outputs][:2] == ["fp16", "int32"]
         assert head.ops["reduce_argmax"] == 3
     else:
         assert head.outputs == ["logits_0", "logits_1", "logits_2"]
-        assert m.head.outputs[0].shape == ([1, 341, "T", 1] if layout == "BCT1" else [1, 341, 1, "T"])
+        assert m.heads[0].outputs[0].shape == ([1, 341, "T", 1] if layout == "BCT1" else [1, 341, 1, "T"])
     assert m.embeddings.format == "q8_0" and set(m.embeddings.files) == {"qs", "scales"}
     assert m.rope.factor_set == "short" and m.rope.context_window == S
     q = m.shards[0].quant
@@ -338,8 +338,8 @@ def test_head_argmax_chunks_stay_within_the_ane_argmax_width(tmp_path: Path) -> 
         build(gguf, out, BuildRequest(topology="1", max_seq=64, head_chunks=1, head_argmax=argmax))
         m = load_manifest(out)
         if argmax:
-            assert len(m.manifest.head.chunks) == 3 == m.manifest.build.head_chunks
-            assert max(e - s for s, e in m.manifest.head.chunks) <= 16384
+            assert len(m.manifest.head_chunks) == 3 == m.manifest.build.head_chunks
+            assert max(e - s for s, e in m.manifest.head_chunks) <= 16384
         pipeline = ShardPipeline(m, MILBackend("fp16"))
         state = pipeline.new_state()
         tokens = [int(t) for t in np.random.default_rng(1).integers(0, 32800, 32)]

@@ -239,9 +239,9 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
 def test_compile_is_cached_outside_the_build(artifacts, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     out, m = artifacts
-    package = out / m.head.file.path
-    compiled = compile_package(package, m.head.file.sha256)
-    assert compiled == tmp_path / "compiled" / f"{m.head.file.sha256}.mlmodelc"
+    package = out / m.heads[0].file.path
+    compiled = compile_package(package, m.heads[0].file.sha256)
+    assert compiled == tmp_path / "compiled" / f"{m.heads[0].file.sha256}.mlmodelc"
     assert compiled.is_dir() and not (out / "head.mlmodelc").exists()
     stamp = compiled.stat().st_mtime_ns
     assert compile_package(package) == compiled and compiled.stat().st_mtime_ns == stamp
@@ -259,7 +259,7 @@ def test_layers_and_head_agree_with_the_mil_interpreter(artifacts, units: str,
     shard = m.shards[0]
     coreml, mil = CoreMLBackend(units, reshape), MILBackend("fp16")
     programs = [b.load(out / shard.file.path) for b in (coreml, mil)]
-    heads = [b.load(out / m.head.file.path) for b in (coreml, mil)]
+    heads = [b.load(out / m.heads[0].file.path) for b in (coreml, mil)]
     assert isinstance(programs[0], LoadedProgram)
     assert sorted(programs[0].state_names) == ["layer_0_k", "layer_0_v", "layer_1_k", "layer_1_v"]
     assert sorted(programs[0].input_names) == sorted(s.name for s in shard.inputs)

@@ -241,7 +241,7 @@ def test_inputs_default_to_the_shape_that_runs(coreml_build) -> None:
 
     out, m = coreml_build
     assert m.build.default_t == 4
-    for entry in (*m.shards, m.head):
+    for entry in (*m.shards, *m.heads):
         spec = ct.models.MLModel(str(out / entry.file.path), skip_model_load=True).get_spec()
         for feature in spec.description.input:
             arr = feature.type.multiArrayType

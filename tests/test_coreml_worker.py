@@ -87,7 +87,7 @@ def test_health_answers_while_core_ml_holds_the_gil(coreml_standin, coreml_build
     out, _ = coreml_build
     # Today's in-process Core ML: a thread ticking every 10 ms sees a 2 s gap.
     loaded = load_manifest(out)
-    program = CoreMLBackend().load(loaded.path(loaded.manifest.head.file))
+    program = CoreMLBackend().load(loaded.path(loaded.manifest.heads[0].file))
     coreml_standin.set_rules(gil_seconds=2.0)
     ticks: list[float] = []
     stop = threading.Event()
@@ -302,7 +302,7 @@ def test_flush_to_zero_mode(coreml_standin, coreml_build) -> None:
     from ane_spec.runtime.coreml_backend import CoreMLBackend
 
     loaded = load_manifest(coreml_build[0])
-    head = CoreMLBackend().load(loaded.path(loaded.manifest.head.file))
+    head = CoreMLBackend().load(loaded.path(loaded.manifest.heads[0].file))
     d = loaded.manifest.model.hidden_size
     tiny = np.zeros((1, d, 4, 1), np.float16)
     tiny[0, :, 0, 0] = np.float16(3e-5)  # subnormal in fp16 (< 2**-14)

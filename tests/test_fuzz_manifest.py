@@ -39,7 +39,7 @@ TALLY: Counter = Counter()
 BY_KIND: Counter = Counter()
 SLOWEST: list[tuple[float, str]] = []
 _case_ids = itertools.count()
-FILE_REFS = [("tokenizer",), ("head", "file"), ("shards", 0, "file"),
+FILE_REFS = [("tokenizer",), ("heads", 0, "file"), ("shards", 0, "file"),
              ("embeddings", "files", "qs"), ("embeddings", "files", "scales")]
 # Paths into the traps each case folder holds (see `traps`), and plain hostile spellings.
 HOSTILE_PATHS = [
@@ -244,9 +244,9 @@ def apply(t: dict, art: Path, draw_data) -> str:  # noqa: ANN001
         elif op == "no shards":
             doc["shards"] = []
         elif op == "no chunks":
-            doc["head"]["chunks"] = []
+            doc["heads"][0]["chunks"] = []
         elif op == "swap chunks":
-            doc["head"]["chunks"].reverse()
+            doc["heads"][0]["chunks"].reverse()
         else:
             put(doc, t["at"], "DEEP")
             literal = ("\"DEEP\"", "[" * 100_000 + "]" * 100_000)
@@ -339,7 +339,7 @@ def test_hostile_paths_are_refused_by_name(pristine: Path, tmp_path: Path) -> No
     original = (art / "manifest.json").read_text()
     for path, message in expected.items():
         doc = json.loads(original)
-        doc["head"]["file"]["path"] = path
+        doc["heads"][0]["file"]["path"] = path
         rewrite(art / "manifest.json", json.dumps(doc).encode())
         with pytest.raises(ManifestError, match=message.replace("(", r"\(").replace(")", r"\)")):
             load_manifest(art)

@@ -75,7 +75,7 @@ def builds(outlier_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
 
 def test_auto_records_each_tensors_format_and_reason(builds: dict[str, Path]) -> None:
     m = load_manifest(builds["auto"]).manifest
-    tensors = {n: t for p in [*m.shards, m.head] for n, t in p.quant.tensors.items()}
+    tensors = {n: t for p in [*m.shards, *m.heads] for n, t in p.quant.tensors.items()}
     assert m.build.weights == "auto"
     q, down = tensors["blk.0.attn_q.weight"], tensors["blk.1.ffn_down.weight"]
     assert q.format == down.format == "lut8"

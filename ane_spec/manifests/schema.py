@@ -40,6 +40,9 @@ MAX_SEQ_LIMIT = 1 << 20
 # The token axis is RangeDim(1..4); anything wider was never built by this compiler.
 MAX_T_LIMIT = 16
 MAX_PATH_CHARS = 1024
+# A 262,144-token vocabulary in 16,384-row argmax chunks, one chunk per package, is 16
+# packages; 256 bounds what a manifest may make the runtime load.
+MAX_HEAD_PACKAGES = 256
 
 Dim = Annotated[int, Field(ge=1)] | Literal["T"]
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -148,8 +151,22 @@ class ShardEntry(PackageEntry):
 
 
 class HeadEntry(PackageEntry):
-    chunks: list[tuple[Annotated[int, Field(ge=0)], Count]]  # [start, end) vocab rows per chunk
+    """One LM-head package. A head over the build's --max-head-mb is split into several, each
+    computing a contiguous run of the head's chunks; the manifest lists them in vocabulary
+    order (`Manifest.heads`)."""
+
+    # [start, end) vocab rows of each chunk this package computes, in the whole vocabulary
+    chunks: list[tuple[Annotated[int, Field(ge=0)], Count]] = Field(min_length=1)
     argmax: bool
+
+
+def head_output_names(first_chunk: int, count: int, argmax: bool) -> list[str]:
+    """The outputs of a head package computing chunks first_chunk.. first_chunk + count - 1:
+    named by their index in the whole head, so several packages' outputs merge into one."""
+    chunks = range(first_chunk, first_chunk + count)
+    if argmax:
+        return [name for i in chunks for name in (f"max_{i}", f"argmax_{i}")]
+    return [f"logits_{i}" for i in chunks]
 
 
 class EmbeddingsEntry(_Strict):
@@ -196,13 +213,28 @@ class Manifest(_Strict):
     # The sliding-window layers' RoPE (Gemma 3); None for models without such layers.
     rope_local: RopeSpec | None = None
     shards: list[ShardEntry]
-    head: HeadEntry
+    # The LM head's packages in vocabulary order: one, unless the head was over --max-head-mb.
+    # Manifests written before heads could be split hold one `head`; it is read as [head].
+    heads: list[HeadEntry] = Field(min_length=1, max_length=MAX_HEAD_PACKAGES)
     embeddings: EmbeddingsEntry
     gates: dict[str, GateResult] = Field(default_factory=dict)
     # Measured |logit(block row) - logit(one-token recomputation)| per backend, precision and
     # decode shape (`mil-fp16-mixed`), filled by probes and read by the mixed shape's exactness
     # guard. In the fixed shape it measures 0 on a row-invariant backend.
     drift: dict[str, Annotated[float, Field(ge=0.0)]] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_head(cls, data: Any) -> Any:
+        """A manifest from before split heads names its one package `head`."""
+        if isinstance(data, dict) and "head" in data and "heads" not in data:
+            data = {k: v for k, v in data.items() if k != "head"} | {"heads": [data["head"]]}
+        return data
+
+    @property
+    def head_chunks(self) -> list[tuple[int, int]]:
+        """Every chunk of the LM head, across its packages, in vocabulary order."""
+        return [tuple(c) for h in self.heads for c in h.chunks]
 
     @model_validator(mode="after")
     def _parts_agree(self) -> "Manifest":
@@ -212,9 +244,21 @@ class Manifest(_Strict):
         _check_tiling("shards' layers", ranges, c.num_layers)
         if b.topology != [end - a for a, end in ranges]:
             raise ValueError("build.topology does not match the shards' layer ranges")
-        _check_tiling("head.chunks", self.head.chunks, c.vocab_size)
-        if len(self.head.chunks) != b.head_chunks or self.head.argmax != b.head_argmax:
-            raise ValueError("head.chunks/argmax do not match build.head_chunks/head_argmax")
+        _check_tiling("heads' chunks", self.head_chunks, c.vocab_size)
+        if len(self.head_chunks) != b.head_chunks or \
+                any(h.argmax != b.head_argmax for h in self.heads):
+            raise ValueError("heads' chunks/argmax do not match build.head_chunks/head_argmax")
+        first = 0
+        for n, h in enumerate(self.heads):
+            # The runtime merges the packages' outputs by name: each must name its own chunks.
+            want = head_output_names(first, len(h.chunks), h.argmax)
+            if [o.name for o in h.outputs] != want:
+                raise ValueError(f"heads[{n}] outputs {[o.name for o in h.outputs][:4]}...; its "
+                                 f"chunks {first}..{first + len(h.chunks) - 1} need {want[:4]}...")
+            first += len(h.chunks)
+        paths = [p.file.path for p in [*self.shards, *self.heads]]
+        if len(set(paths)) != len(paths):
+            raise ValueError("two packages name the same file")
         if (self.embeddings.vocab_size, self.embeddings.dim) != (c.vocab_size, c.hidden_size):
             raise ValueError(f"embeddings are {self.embeddings.vocab_size} x "
                              f"{self.embeddings.dim}; the model is {c.vocab_size} x "

@@ -174,7 +174,7 @@ def manifest_path(location: str | os.PathLike[str]) -> Path:
 
 
 def all_file_refs(m: Manifest) -> list[FileRef]:
-    refs = [m.tokenizer, m.head.file, *(s.file for s in m.shards)]
+    refs = [m.tokenizer, *(h.file for h in m.heads), *(s.file for s in m.shards)]
     return refs + list(m.embeddings.files.values())
 
 

@@ -80,7 +80,7 @@ def describe_build(folder: Path) -> dict[str, Any]:
 
     m = load_manifest(folder, verify=False).manifest
     packages = {}
-    for entry in [*m.shards, m.head]:
+    for entry in [*m.shards, *m.heads]:
         packages[entry.file.path] = {
             "bytes": entry.file.bytes, "requested": entry.quant.format,
             "worst_cosine": entry.quant.worst_cosine, "worst_tensor": entry.quant.worst_tensor,

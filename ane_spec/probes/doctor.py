@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ane_spec.ane_limits import MIXED_SHAPE_NOTE, MIXED_SHAPE_SOURCE, SMALL_MAC_BYTES
+from ane_spec.manifests.schema import HeadEntry
 from ane_spec.manifests.store import LoadedManifest, load_manifest
 from ane_spec.peak_memory import peak_rss_bytes
 from ane_spec.probes.report import GateReport
@@ -65,6 +66,11 @@ class Check:
 
 
 CheckFn = Callable[["DoctorRun"], Verdict]
+
+
+def head_label(h: HeadEntry, packages: int) -> str:
+    """`head`, or with the head split into packages, each one's vocabulary rows."""
+    return "head" if packages == 1 else f"head {h.chunks[0][0]}-{h.chunks[-1][1] - 1}"
 
 
 def core_ml_check(fn: CheckFn) -> CheckFn:
@@ -134,10 +140,11 @@ class DoctorRun:
         self.need_coreml()
 
     def packages(self) -> list[tuple[str, Path, str]]:
-        """(label, path, sha256) of every package of the build, shards then head."""
+        """(label, path, sha256) of every package of the build, shards then head (`head`, or
+        `head 0-50015`, ... for each package of a head split over --max-head-mb)."""
         m = self.loaded.manifest
         entries = [(f"shard {s.layers[0]}-{s.layers[1] - 1}", s) for s in m.shards]
-        entries.append(("head", m.head))
+        entries += [(head_label(h, len(m.heads)), h) for h in m.heads]
         return [(label, self.loaded.path(e.file), e.file.sha256) for label, e in entries]
 
     def synthetic(self, dims: str):
@@ -379,8 +386,8 @@ def check_cold_jit(run: DoctorRun) -> Verdict:
         for n, label in enumerate(labels):
             run.progress(f"first T={width} prediction of {label}")
             t = time.perf_counter()
-            if label == "head":
-                pipeline.head.predict({"x": hidden})
+            if n >= len(pipeline.shards):  # one of the head's packages
+                pipeline.heads[n - len(pipeline.shards)].predict({"x": hidden})
             else:
                 hidden = pipeline.run_shards(hidden, inputs, state, range(n, n + 1))
             first[label][f"T={width}"] = round(time.perf_counter() - t, 2)
@@ -591,7 +598,7 @@ def check_argmax_head(run: DoctorRun) -> Verdict:
     at a near-tie: the logits head's value at the argmax head's id within one fp16 step of its
     maximum (two programs may round a tie differently); anything else fails."""
     m = run.loaded.manifest
-    if not m.head.argmax:
+    if not m.build.head_argmax:
         raise Skip("not a --head-argmax build (its head emits logits)")
     source = Path(run.gguf or m.source.path)
     if not source.is_file():

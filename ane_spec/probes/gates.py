@@ -78,7 +78,7 @@ RESIDENCY_COUNTS = ("conv_total", "conv_non_ane", "compute_total", "compute_non_
 
 def gate_residency(loaded: LoadedManifest, compute_units: str = "CPU_AND_NE") -> GateReport:
     """Every package of a build; passes only at zero non-ANE ops across all of them."""
-    files = [s.file for s in loaded.manifest.shards] + [loaded.manifest.head.file]
+    files = [p.file for p in [*loaded.manifest.shards, *loaded.manifest.heads]]
     parts = [residency_or_lint(loaded.path(f), compute_units, f.sha256) for f in files]
     lint = [w for r in parts for w in r.details["lint"]]
     if any(r.skipped for r in parts):

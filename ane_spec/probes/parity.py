@@ -95,7 +95,7 @@ def run_parity(loaded: LoadedManifest, pipeline: ShardPipeline, gguf,
     window = m.build.max_seq
     graph_ref = ReferenceModel(gguf, context_window=window,
                                weight_transform=stored_weights(m.build.weights, {
-                                   n: t.format for p in [*m.shards, m.head]
+                                   n: t.format for p in [*m.shards, *m.heads]
                                    for n, t in p.quant.tensors.items()}))
     model_ref = ReferenceModel(gguf, context_window=window)
     specials = special_token_ids(pipeline)

@@ -26,7 +26,12 @@ from ane_spec.runtime.coreml_backend import (
     require_macos,
 )
 from ane_spec.shards.static_checks import read_package_facts
-from ane_spec.shards.topology import DEFAULT_MAX_SHARD_MB, MIB
+from ane_spec.shards.topology import (
+    DEFAULT_MAX_HEAD_MB,
+    DEFAULT_MAX_SHARD_MB,
+    HEAD_PACKAGE_SOURCE,
+    MIB,
+)
 
 
 @dataclass
@@ -128,7 +133,8 @@ class LintWarning:
     message: str
 
 
-def ane_lint(package: Path, *, max_shard_mb: int = DEFAULT_MAX_SHARD_MB) -> list[LintWarning]:
+def ane_lint(package: Path, *, max_shard_mb: int = DEFAULT_MAX_SHARD_MB,
+             max_head_mb: float = DEFAULT_MAX_HEAD_MB) -> list[LintWarning]:
     """Patterns in the package known to keep ops off the ANE. Reads the spec, not the weights."""
     package = Path(package)
     facts = read_package_facts(package)
@@ -169,6 +175,14 @@ def ane_lint(package: Path, *, max_shard_mb: int = DEFAULT_MAX_SHARD_MB) -> list
     if size > max_shard_mb * MIB:
         warn("oversize", f"package is {size / MIB:,.1f} MiB, over {max_shard_mb} MiB: shards "
              "above ~1.9-2.3 GiB compiled but ran off the ANE (measured, Phi-4-mini)")
+    # An LM head (no states, only per-chunk outputs) bigger than any head measured resident,
+    # e.g. one built before heads were split: `build --force` splits it.
+    head = not facts.states and bool(facts.outputs) and all(
+        o.startswith(("logits_", "max_", "argmax_")) for o in facts.outputs)
+    if head and size > max_head_mb * MIB:
+        warn("head-oversize", f"LM-head package is {size / MIB:,.1f} MiB, over {max_head_mb:g} "
+             f"MiB ({HEAD_PACKAGE_SOURCE}); rebuild it with `build --force` to split it into "
+             "packages under --max-head-mb")
     return found
 
 

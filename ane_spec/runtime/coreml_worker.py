@@ -99,11 +99,12 @@ class _Handler:
         return Outputs(None, self.programs[pid].predict(arrays, state))
 
     def run_pass(self, shards: list[tuple[int, int | None]], dropped: list[int],
-                 head: int, hid: int, dropped_heads: list[int], rows: HeadRows,
+                 heads: list[int], hid: int, dropped_heads: list[int], rows: HeadRows,
                  chain: list[int], *, arrays: dict[str, np.ndarray]) -> list[int | None]:
         """One pass in one call: `arrays["x"]` through the shards (pid, state id) in order, each
-        with the other arrays as its inputs, then the head. The head's prediction is kept here
-        under `hid` until the parent drops it; its rows cross when read (`head_row`,
+        with the other arrays as its inputs, then the head's packages (pids, in vocabulary
+        order: one unless the head was split over --max-head-mb). The head's prediction is kept
+        here under `hid` until the parent drops it; its rows cross when read (`head_row`,
         `head_argmax`). Returned: the argmax of the rows greedy decoding reads (`_chain`)."""
         self.drop_states(dropped)
         inputs = dict(arrays)
@@ -114,18 +115,29 @@ class _Handler:
                 state = None if sid is None else self.states[sid][1]
                 hidden = self.programs[pid].predict({"x": hidden, **inputs}, state)["hidden"]
             step = len(shards)
-            return self.predict_head(head, hid, dropped_heads, rows, chain,
+            return self.predict_head(heads, hid, dropped_heads, rows, chain, step,
                                      arrays={"x": hidden})
         except AneSpecError:
             raise
         except Exception as exc:  # noqa: BLE001 - Core ML's own: the parent names the program
             raise _StepFailed(step, type(exc).__name__, str(exc).strip()) from None
 
-    def predict_head(self, pid: int, hid: int, dropped: list[int], rows: HeadRows,
-                     chain: list[int], *, arrays: dict[str, np.ndarray]) -> list[int | None]:
+    def predict_head(self, pids: list[int], hid: int, dropped: list[int], rows: HeadRows,
+                     chain: list[int], first_step: int, *,
+                     arrays: dict[str, np.ndarray]) -> list[int | None]:
+        """Every head package on the same hidden states; their outputs (named by chunk index in
+        the whole head) merged into what one package would have returned."""
         for old in dropped:
             self.heads.pop(old, None)
-        self.heads[hid] = (self.programs[pid].predict(arrays, None), rows)
+        merged: dict[str, np.ndarray] = {}
+        for n, pid in enumerate(pids):
+            try:
+                merged.update(self.programs[pid].predict(arrays, None))
+            except AneSpecError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - Core ML's own: the parent names it
+                raise _StepFailed(first_step + n, type(exc).__name__, str(exc).strip()) from None
+        self.heads[hid] = (merged, rows)
         return self._chain(hid, chain)
 
     def _chain(self, hid: int, tokens: list[int]) -> list[int | None]:
@@ -382,11 +394,11 @@ class CoreMLWorkerBackend:
         return remote
 
     def run_pass(self, shards: list[WorkerProgram], states: list[Any], hidden: np.ndarray,
-                 inputs: dict[str, np.ndarray], head: WorkerProgram, rows: HeadRows,
+                 inputs: dict[str, np.ndarray], heads: list[WorkerProgram], rows: HeadRows,
                  chain: list[int]) -> RemoteRows:
-        """`hidden` through every shard (with `inputs`, and its state) and the head, in one call
-        to the worker: the hidden states between programs never cross, and neither do the
-        logits (`RemoteRows`). The same predictions, in the same order, on the
+        """`hidden` through every shard (with `inputs`, and its state) and the head's packages,
+        in one call to the worker: the hidden states between programs never cross, and neither
+        do the logits (`RemoteRows`). The same predictions, in the same order, on the
         same values as one call per program."""
         arrays = {k: np.asarray(v, dtype=np.float16) for k, v in {"x": hidden, **inputs}.items()}
         calls = []
@@ -396,20 +408,22 @@ class CoreMLWorkerBackend:
             calls.append((program.pid, program._state_id(state)))
             program._last_shapes = count_shape_switch(self.reshape_frequency,
                                                       program._last_shapes, arrays)
-        head._last_shapes = count_shape_switch(self.reshape_frequency, head._last_shapes,
-                                               {"x": arrays["x"]})
+        for head in heads:
+            head._last_shapes = count_shape_switch(self.reshape_frequency, head._last_shapes,
+                                                   {"x": arrays["x"]})
         hid = self._next_id()
         dropped, self._dropped[:] = list(self._dropped), []
         dropped_heads, self._dropped_heads[:] = list(self._dropped_heads), []
-        labels = [p.label for p in [*shards, head]]
+        labels = [p.label for p in [*shards, *heads]]
         try:
-            known = self._call("run_pass", calls, dropped, head.pid, hid, dropped_heads, rows,
+            known = self._call("run_pass", calls, dropped, [h.pid for h in heads], hid,
+                               dropped_heads, rows,
                                list(chain), arrays=arrays,
                                during=f"predict on {', then '.join(labels)}")
         except _StepFailed as exc:  # as one call per program would have said it
             raise CoreMLFailure(f"Core ML failed during predict on {labels[exc.step]}: "
                                 f"{exc.kind}: {exc.text}") from None
-        return self._kept(head, hid, known)
+        return self._kept(heads[0], hid, known)
 
     def _call(self, method: str, *args: Any, during: str,
               arrays: dict[str, np.ndarray] | None = None) -> Any:

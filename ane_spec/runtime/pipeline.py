@@ -26,6 +26,7 @@ from ane_spec.manifests.store import LoadedManifest
 from ane_spec.runtime.backend import Backend, LoadedProgram, start_backend
 from ane_spec.runtime.decode_shape import DecodeShape, DecodeShapePolicy
 from ane_spec.runtime.fp16_argmax import NonFiniteLogits, argmax
+from ane_spec.runtime.head_packages import SplitHead
 from ane_spec.runtime.host_inputs import HostInputs
 
 
@@ -180,7 +181,8 @@ class ShardPipeline:
     # caller says (`start()`: the daemon, from its warm-up, so /health answers meanwhile).
     defer_start: bool = False
     shards: list[LoadedProgram] = field(init=False)
-    head: LoadedProgram = field(init=False)
+    heads: list[LoadedProgram] = field(init=False)  # the LM head's packages, vocabulary order
+    head: SplitHead = field(init=False)             # all of them as one program
     # Per-process measurements that layers above make once per loaded model (the decode
     # engine's pass-cost policy), kept with the model they describe.
     measurements: dict[str, Any] = field(default_factory=dict, init=False)
@@ -201,7 +203,7 @@ class ShardPipeline:
         self.max_t = m.build.t_range[1]
         self.shape = DecodeShapePolicy(self.decode_shape, self.max_t)
         self.layout = m.build.layout
-        self.head_argmax = m.head.argmax
+        self.head_argmax = m.build.head_argmax
         self.input_dtype = np.float32 if self.backend.precision == "fp32" else np.float16
         self.host = HostInputs(m.rope, self.max_seq, self.max_t, self.input_dtype,
                                rope_local=m.rope_local,
@@ -213,7 +215,9 @@ class ShardPipeline:
         # The manifest's hashes key Core ML's compiled-model cache (no re-hashing 2 GB shards).
         self.shards = [self.backend.load(self.loaded.path(s.file), sha256=s.file.sha256)
                        for s in m.shards]
-        self.head = self.backend.load(self.loaded.path(m.head.file), sha256=m.head.file.sha256)
+        self.heads = [self.backend.load(self.loaded.path(h.file), sha256=h.file.sha256)
+                      for h in m.heads]
+        self.head = SplitHead(self.heads, m.heads, self.loaded.file)
         if not self.defer_start:
             self.start()
 
@@ -325,8 +329,8 @@ class ShardPipeline:
             # values as `_read_head` reads here.
             from ane_spec.runtime.coreml_worker import HeadRows
 
-            chunks = self.manifest.head.chunks
-            kept = run_pass(self.shards, state.shard_states, hidden, inputs, self.head,
+            chunks = self.manifest.head_chunks
+            kept = run_pass(self.shards, state.shard_states, hidden, inputs, self.heads,
                             HeadRows(tuple(f"logits_{i}" for i in range(len(chunks))),
                                      tuple((int(a), int(b)) for a, b in chunks), self.layout),
                             list(tokens[:rows]))
@@ -344,7 +348,7 @@ class ShardPipeline:
 
     def _read_head(self, outputs: dict[str, np.ndarray], rows: int) -> BlockOutput:
         """The first `rows` rows of the head's outputs: padding rows are never read."""
-        chunks = self.manifest.head.chunks
+        chunks = self.manifest.head_chunks
         if not self.head_argmax:
             views = [(start, end, self.token_major(outputs[f"logits_{i}"]))  # [T, V_i], no copy
                      for i, (start, end) in enumerate(chunks)]

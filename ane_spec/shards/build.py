@@ -45,6 +45,7 @@ from ane_spec.ane_limits import (
 from ane_spec.errors import AneSpecError, BuildError, ManifestError, one_line, untrusted
 from ane_spec.manifests.schema import (
     GRAPH_REVISION,
+    MAX_HEAD_PACKAGES,
     BuildOptions,
     EmbeddingsEntry,
     HeadEntry,
@@ -70,12 +71,18 @@ from ane_spec.shards.programs import (
 )
 from ane_spec.shards.static_checks import check_package
 from ane_spec.shards.topology import (
+    DEFAULT_MAX_HEAD_MB,
     DEFAULT_MAX_SHARD_MB,
+    HEAD_PACKAGE_SOURCE,
     MAX_HEAD_CHANNELS,
     MIB,
     check_budget,
+    head_budget_problems,
+    head_chunk_bytes,
+    mib,
     min_head_chunks,
     parse_topology,
+    plan_head_packages,
     plan_topology,
 )
 from ane_spec.shards.weights import (
@@ -105,6 +112,8 @@ class BuildRequest(BaseModel):
     head_argmax: bool = False
     force_ane_limits: bool = False   # build what ane_limits refuses (it is said, not silent)
     max_shard_mb: int = DEFAULT_MAX_SHARD_MB
+    # Over it the LM head is split into separate packages of whole chunks (topology.py).
+    max_head_mb: float = DEFAULT_MAX_HEAD_MB
     min_weight_cosine: float = DEFAULT_MIN_WEIGHT_COSINE
     name: str | None = None
 
@@ -136,10 +145,11 @@ def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
     out = Path(out_dir)
     model = open_gguf(gguf_path)
     ranges = _validate(model, request)
+    head_plan, head_refusals = _plan_head(model, request)
     warnings = build_warnings(request.max_seq, request.weights, request.head_argmax)
     if request.force_ane_limits:
         warnings += [f"{FORCE_ANE_LIMITS_FLAG} overrides: {r}"
-                     for r in ane_limit_refusals(request.max_seq)]
+                     for r in [*ane_limit_refusals(request.max_seq), *head_refusals]]
     for w in warnings:
         say(f"warning: {w}")
     try:
@@ -153,7 +163,8 @@ def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
             (tmp / "shards").mkdir(parents=True)
             try:
                 with _sigbus_ends_build(model.path, out, litter=(tmp, lock.path)):
-                    result = _build_into(model, request, ranges, out, tmp, say, variant)
+                    result = _build_into(model, request, ranges, head_plan, out, tmp, say,
+                                         variant)
                     model.check_unchanged()
                 swap_into_place(tmp, out)
             except BaseException as exc:
@@ -190,7 +201,8 @@ def _drop_hidden_tracebacks(exc: BaseException) -> None:
 
 
 def _build_into(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int, int]],
-                out: Path, tmp: Path, say: Progress, variant: GraphVariant) -> BuildResult:
+                head_plan: list[tuple[int, int]], out: Path, tmp: Path, say: Progress,
+                variant: GraphVariant) -> BuildResult:
     previous = _previous_build(out)
     result = BuildResult(manifest_path=out / "manifest.json")
     say(f"hashing {model.path.name}")
@@ -218,20 +230,38 @@ def _build_into(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
         model.check_unchanged()
         shards.append(entry)
 
-    head_name = model.lm_head.name
-    fp = _fingerprint(options, request, ("head",), tensor_sha, model,
-                      ["output_norm.weight", head_name], variant)
-    rel = "head.mlpackage"
-    head = _reuse(previous, fp, rel, tmp, HeadEntry)
-    if head is not None:
-        say("LM head: unchanged, reused")
-        result.reused.append(rel)
-    else:
-        t0 = time.monotonic()
-        head = _build_head(model, request, tmp, rel, fp)
-        say(f"LM head: {len(head.chunks)} chunks built in {time.monotonic() - t0:.1f}s, "
-            f"{head.file.bytes / 2**20:,.1f} MiB, {_format_counts(head.quant)}")
-        result.built.append(rel)
+    chunks = head_chunk_bounds(model.config.vocab_size, request.head_chunks, request.head_argmax)
+    if len(head_plan) > 1:
+        say(f"LM head: {len(chunks)} chunks over --max-head-mb {request.max_head_mb:g}, split "
+            f"into {len(head_plan)} packages: "
+            + ", ".join(f"[{chunks[a][0]},{chunks[b - 1][1]}) ({b - a} chunk"
+                        f"{'s' if b - a > 1 else ''})" for a, b in head_plan))
+    heads = []
+    for k, (first, last) in enumerate(head_plan):
+        start, end = chunks[first][0], chunks[last - 1][1]
+        whole = len(head_plan) == 1
+        # A package of the whole head keeps the fingerprint and name it had before heads could
+        # be split: an unchanged build reuses it.
+        fp = _fingerprint(options, request, ("head",) if whole else ("head", first, last),
+                          tensor_sha, model, ["output_norm.weight", model.lm_head.name], variant)
+        rel = "head.mlpackage" if whole else f"head_vocab_{start:06d}_{end:06d}.mlpackage"
+        label = ("LM head" if whole else
+                 f"LM head package {k + 1}/{len(head_plan)} vocabulary [{start},{end})")
+        head = _reuse(previous, fp, rel, tmp, HeadEntry)
+        if head is not None:
+            say(f"{label}: unchanged, reused")
+            result.reused.append(rel)
+        else:
+            t0 = time.monotonic()
+            head = _build_head(model, request, tmp, rel, fp, chunks, first, last,
+                               None if request.force_ane_limits else request.max_head_mb)
+            count = len(head.chunks)
+            say(f"{label}: {count} chunk{'s' if count > 1 else ''} built in "
+                f"{time.monotonic() - t0:.1f}s, "
+                f"{head.file.bytes / 2**20:,.1f} MiB, {_format_counts(head.quant)}")
+            result.built.append(rel)
+        model.check_unchanged()
+        heads.append(head)
     shutil.rmtree(_converter_tmp(tmp), ignore_errors=True)
 
     say("embeddings and tokenizer")
@@ -253,7 +283,7 @@ def _build_into(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
                           sha256=source_sha, file_type=model.file_type_name,
                           parameters=model.parameter_count),
         model=model.config, tokenizer=file_ref(tmp, tok_path), build=options,
-        rope=model.rope_spec(request.max_seq), shards=shards, head=head,
+        rope=model.rope_spec(request.max_seq), shards=shards, heads=heads,
         rope_local=(model.rope_spec(request.max_seq, local=True)
                     if model.config.has_local_layers else None),
         embeddings=embeddings)
@@ -354,6 +384,27 @@ def _validate(model: GGUFModel, r: BuildRequest) -> list[tuple[int, int]]:
     return ranges
 
 
+def _plan_head(model: GGUFModel, r: BuildRequest) -> tuple[list[tuple[int, int]], list[str]]:
+    """The LM head's packages, as runs [first, last) of its chunks under --max-head-mb, and the
+    chunks too big for any package (refused unless --force-ane-limits, which builds each alone
+    in a package over the budget)."""
+    c = model.config
+    if not r.max_head_mb > 0:
+        raise BuildError(f"--max-head-mb {r.max_head_mb} must be a positive number of MiB")
+    chunks = head_chunk_bounds(c.vocab_size, r.head_chunks, r.head_argmax)
+    sizes = head_chunk_bytes(chunks, c.hidden_size, r.weights)
+    refusals = head_budget_problems(chunks, sizes, r.max_head_mb, r.weights, c.hidden_size)
+    if refusals and not r.force_ane_limits:
+        raise BuildError(f"{'; '.join(refusals)}; or pass {FORCE_ANE_LIMITS_FLAG} to build it "
+                         "anyway (a head program this size was never measured resident)")
+    plan = plan_head_packages(sizes, r.max_head_mb)
+    if len(plan) > MAX_HEAD_PACKAGES:  # a manifest listing more is refused when loaded
+        raise BuildError(f"--max-head-mb {r.max_head_mb:g} splits the LM head into {len(plan)} "
+                         f"packages, more than the {MAX_HEAD_PACKAGES} a build may have; raise "
+                         "it or use fewer --head-chunks")
+    return plan, refusals
+
+
 def _check_output(out: Path, force: bool) -> None:
     if out.exists() and not force:
         raise BuildError(f"{out} already exists; pass --force to rebuild it (shards whose "
@@ -404,7 +455,7 @@ def _previous_build(out: Path) -> PreviousBuild | None:
     except (AneSpecError, OSError):  # an unreadable old build is simply not reused
         return None
     entries: dict[str, ShardEntry | HeadEntry] = {s.fingerprint: s for s in m.shards}
-    entries[m.head.fingerprint] = m.head
+    entries.update({h.fingerprint: h for h in m.heads})
     return PreviousBuild(out, entries)
 
 
@@ -453,21 +504,37 @@ def _build_shard(model: GGUFModel, r: BuildRequest, a: int, b: int, tmp: Path, r
                       quant=quant, fingerprint=fp)
 
 
-def _build_head(model: GGUFModel, r: BuildRequest, tmp: Path, rel: str, fp: str) -> HeadEntry:
+def _build_head(model: GGUFModel, r: BuildRequest, tmp: Path, rel: str, fp: str,
+                all_chunks: list[tuple[int, int]], first: int, last: int,
+                max_mb: float | None) -> HeadEntry:
+    """The head package computing chunks first..last-1 of `all_chunks` (all of them, or one
+    contiguous run of a head split over --max-head-mb); refused if its converted weights are
+    over `max_mb` (None: no budget)."""
     c = model.config
     t = model.lm_head
-    chunks = head_chunk_bounds(c.vocab_size, r.head_chunks, r.head_argmax)
+    chunks = all_chunks[first:last]
     choices: dict[str, TensorChoice] = {}
     weights = []
-    for n, (s, e) in enumerate(chunks):
+    for s, e in chunks:
         w = convert_parts([Part(t, np.arange(s, e), f"{t.name}[{s}:{e}]")], r.weights,
                           r.min_weight_cosine)
         t.release(s, e)
         choices.update({ch.name: ch for ch in w.choices})
         weights.append(w)
     quant = _quant_stats(r, choices)
+    stored = sum(w.nbytes for w in weights)
+    if max_mb is not None and stored > max_mb * MIB:
+        # The plan costed auto as int8 per channel; a chunk that fell back (lut8, fp16) can
+        # take a package over: refused like an over-budget shard.
+        fallback = sorted(n for n, ch in choices.items() if ch.format != "int8-channel")
+        raise BuildError(f"LM-head package [{chunks[0][0]},{chunks[-1][1]}) holds "
+                         f"{mib(stored)} MiB of weights, over --max-head-mb "
+                         f"{max_mb:g} ({HEAD_PACKAGE_SOURCE})"
+                         + (f" ({len(fallback)} chunk(s) fell back from int8, e.g. "
+                            f"'{fallback[0]}')" if fallback else "")
+                         + f"; use more --head-chunks, or pass {FORCE_ANE_LIMITS_FLAG}")
     norm = finite_vector(model.tensor("output_norm.weight"))
-    holder = [head_program(norm, weights, c, r.layout, r.head_argmax)]
+    holder = [head_program(norm, weights, c, r.layout, r.head_argmax, first_chunk=first)]
     del weights
     ref, (inputs, outputs, _) = _save_checked(holder, tmp, rel, "head", r.weights)
     return HeadEntry(chunks=chunks, argmax=r.head_argmax, file=ref, inputs=inputs,
@@ -488,12 +555,15 @@ def build_logits_head(gguf_path: str | os.PathLike[str], manifest: Manifest,
         raise BuildError(f"{gguf_path} is not this build's model (vocabulary or hidden size "
                          "differ)")
     request = BuildRequest(max_seq=b.max_seq, weights=b.weights, layout=b.layout,
-                           head_chunks=len(manifest.head.chunks), head_argmax=False,
+                           head_chunks=len(manifest.head_chunks), head_argmax=False,
                            min_weight_cosine=b.min_weight_cosine)
     folder.mkdir(parents=True, exist_ok=True)
-    # A scratch package, never reused: the fingerprint only has to be well formed.
-    head = _build_head(model, request, folder, "logits-head.mlpackage", "0" * 64)
-    if head.chunks != list(manifest.head.chunks):
+    # A scratch package, never reused: the fingerprint only has to be well formed. It is one
+    # package whatever the build's split: it only has to give the same logits per chunk.
+    chunks = head_chunk_bounds(model.config.vocab_size, len(manifest.head_chunks), False)
+    head = _build_head(model, request, folder, "logits-head.mlpackage", "0" * 64, chunks, 0,
+                       len(chunks), None)
+    if head.chunks != manifest.head_chunks:
         raise BuildError("the logits head's chunks differ from the build's")
     shutil.rmtree(_converter_tmp(folder), ignore_errors=True)
     return folder / head.file.path, head.chunks
@@ -573,7 +643,8 @@ def _format_counts(q: QuantStats) -> str:
 
 def quant_summary(manifest: Manifest, worst: int = 5) -> list[str]:
     """A build's weights in a few lines: tensors and bytes per format, the worst tensors."""
-    tensors = {n: t for p in [*manifest.shards, manifest.head] for n, t in p.quant.tensors.items()}
+    tensors = {n: t for p in [*manifest.shards, *manifest.heads]
+               for n, t in p.quant.tensors.items()}
     if not tensors:
         return []
     counts: dict[str, int] = {}

@@ -138,11 +138,15 @@ def _split_local_inputs(inputs: dict, write: Var, keep: Var, c: ModelConfig,
 
 
 def head_program(norm: np.ndarray, chunks: Sequence[ConvWeight], c: ModelConfig, layout: Layout,
-                 argmax: bool) -> Program:
+                 argmax: bool, first_chunk: int = 0) -> Program:
     """Final RMSNorm + LM head split into vocab chunks.
 
     Outputs per chunk `logits_{i}` [1, V_i, T, 1] (or [1, V_i, 1, T]), or with `argmax` the
     chunk's `max_{i}` (fp16) and `argmax_{i}` (int32, index within the chunk), [1, 1, T, 1].
+    `i` counts the whole head's chunks: a head split into several packages (`first_chunk`: this
+    package's first) has each package compute the same norm and the same per-chunk ops in the
+    same shapes as the one-package head, under the same output names, so the runtime merges the
+    packages' outputs into what one package would have returned.
     """
     t = get_new_symbol()
     specs = {HIDDEN_IN: mb.TensorSpec(hidden_shape(c.hidden_size, t, layout), dtype=types.fp16)}
@@ -150,7 +154,7 @@ def head_program(norm: np.ndarray, chunks: Sequence[ConvWeight], c: ModelConfig,
     def body(inputs: dict) -> list:
         h = rms_norm(inputs[HIDDEN_IN], norm, c.rms_eps, c.hidden_size, "output_norm")
         outs = []
-        for i, w in enumerate(chunks):
+        for i, w in enumerate(chunks, start=first_chunk):
             logits = conv_in_chunks(h, w, f"head_{i}",
                                     out_name=f"chunk_{i}" if argmax else f"logits_{i}")
             if argmax:

@@ -128,3 +128,70 @@ def min_head_chunks(vocab_size: int) -> int:
     """Fewest LM-head chunks that keep every chunk within MAX_HEAD_CHANNELS (chunks are split as
     evenly as np.linspace makes them, so the widest is ceil(vocab / chunks))."""
     return -(-vocab_size // MAX_HEAD_CHANNELS)
+
+
+# The LM head's budget per package. ane-book ran Phi-4-mini's head as four separate packages of
+# 50,016 x 3,072 int8 rows (146.6 MiB each with their per-channel scales), all fully
+# ANE-resident (ane-platform-notes.md: "LM head shards with 50,016 output channels were fully
+# resident"; seeds/003: "the existing batch-4 LM-head shards"). No bigger head program was
+# measured, so this is the size known to work, not a measured edge: 160 MiB holds one such
+# chunk, in int8 per channel or in the 8-bit LUT form auto falls back to (152.6 MiB: the same
+# conv, 4% more bytes, not measured), and never two; the whole 586 MiB head in one program is
+# what nobody has seen resident.
+DEFAULT_MAX_HEAD_MB = 160.0
+HEAD_PACKAGE_SOURCE = ("ane-book's Phi-4-mini head ran fully ANE-resident as separate packages "
+                       "of 50,016 x 3,072 int8 rows, 146.6 MiB each; no larger head program "
+                       "was measured")
+
+
+def mib(size: int) -> str:
+    """MiB to one decimal, or to three below 1 MiB (small test builds), never a bare 0.0."""
+    return f"{size / MIB:,.1f}" if size >= MIB else f"{size / MIB:.3f}"
+
+
+def head_chunk_bytes(chunks: list[tuple[int, int]], hidden_size: int,
+                     fmt: WeightFormat) -> list[int]:
+    """Estimated stored bytes of each LM-head chunk (auto costed as int8 per channel, as for
+    shards; the build checks each package's real size after conversion)."""
+    return [estimate_bytes(e - s, hidden_size, fmt) for s, e in chunks]
+
+
+def plan_head_packages(sizes: list[int], max_head_mb: float) -> list[tuple[int, int]]:
+    """Contiguous runs [first, last) of LM-head chunks, one per package, each within
+    `max_head_mb`, filled greedily from the first chunk (the fewest packages: each package is
+    one more prediction per pass). A chunk that alone is over the budget still gets a package of
+    its own: `head_budget_problems` says so, and the build refuses it unless forced."""
+    budget = max_head_mb * MIB
+    groups: list[tuple[int, int]] = []
+    first, total = 0, 0
+    for i, size in enumerate(sizes):
+        if i > first and total + size > budget:
+            groups.append((first, i))
+            first, total = i, 0
+        total += size
+    groups.append((first, len(sizes)))
+    return groups
+
+
+def head_budget_problems(chunks: list[tuple[int, int]], sizes: list[int], max_head_mb: float,
+                         fmt: WeightFormat, hidden_size: int) -> list[str]:
+    """Chunks too big for a head package of their own, with the --head-chunks that would fit."""
+    budget = max_head_mb * MIB
+    row = estimate_bytes(1, hidden_size, fmt)
+    over = [(c, s) for c, s in zip(chunks, sizes) if s > budget]
+    if not over:
+        return []
+    vocab = chunks[-1][1]
+    rows_fit = int(budget // row)
+    (s, e), size = over[0]
+    if rows_fit < 1:
+        advice = (f"even one vocabulary row needs {row / MIB:,.3f} MiB of {fmt} weights; raise "
+                  "--max-head-mb")
+    else:
+        need = -(-vocab // rows_fit)
+        advice = (f"use --head-chunks {need} or more (chunks of at most {rows_fit:,} rows), or "
+                  "raise --max-head-mb")
+    return [f"LM-head chunk [{s},{e}) holds {mib(size)} MiB of {fmt} weights, over "
+            f"--max-head-mb {max_head_mb:g} ({HEAD_PACKAGE_SOURCE})"
+            + (f", and so do {len(over) - 1} more chunk(s)" if len(over) > 1 else "")
+            + f"; a package holds whole chunks, so {advice}"]
