@@ -565,7 +565,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "overflowing row holds) or additive (clip and an added mask only, the ops "
                    "Anemll and ane-book run on the ANE; loses that exactness: see `ane-spec "
                    "doctor`, whose mask-ops check says which a Mac should use)")
-    p.add_argument("--head-chunks", type=int, default=4)
+    p.add_argument("--head-chunks", type=int, default=None,
+                   help="LM-head vocabulary chunks (default: 4, or as many more as keep each "
+                        "chunk within 50,016 channels)")
     p.add_argument("--head-argmax", action="store_true",
                    help="head emits per-chunk max and argmax instead of logits (greedy only)")
     p.add_argument("--max-shard-mb", type=int, default=DEFAULT_MAX_SHARD_MB,

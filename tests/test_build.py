@@ -346,3 +346,22 @@ def test_head_argmax_chunks_stay_within_the_ane_argmax_width(tmp_path: Path) -> 
         ids[argmax] = np.concatenate([pipeline.run(tokens[i:i + 4], i, state).argmax
                                       for i in range(0, len(tokens), 4)])
     assert (ids[True] == ids[False]).all()
+
+
+def test_a_vocabulary_over_four_chunks_gets_enough_head_chunks_by_default(tmp_path: Path) -> None:
+    """Without --head-chunks, a vocabulary wider than 4 x MAX_HEAD_CHANNELS (Gemma's 262,144)
+    builds with as many chunks as keep each within it; an explicit count under that is still
+    refused, naming the figure."""
+    from ane_spec.model.synthetic import write_synthetic_gguf
+    from ane_spec.shards.topology import MAX_HEAD_CHANNELS
+
+    vocab = 4 * MAX_HEAD_CHANNELS + 64
+    spec = preset("tiny", hidden_size=32, num_layers=1, num_heads=1, num_kv_heads=1,
+                  ffn_size=64, vocab_size=vocab, rope_dims=32, seed=3)
+    gguf = write_synthetic_gguf(tmp_path / "wide.gguf", spec)
+    with pytest.raises(BuildError, match="use at least 5"):
+        build(gguf, tmp_path / "four", BuildRequest(topology="1", max_seq=32, head_chunks=4))
+    build(gguf, tmp_path / "auto", BuildRequest(topology="1", max_seq=32))
+    m = load_manifest(tmp_path / "auto").manifest
+    assert m.build.head_chunks == 5 and len(m.head_chunks) == 5
+    assert max(e - s for s, e in m.head_chunks) <= MAX_HEAD_CHANNELS

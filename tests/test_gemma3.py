@@ -112,8 +112,8 @@ def test_real_size_presets(name: str, params: int, vocab: int) -> None:
     assert c.attention_scale == 1 / 16
     ranges = plan_topology(c, "int8-channel", 2000)
     check_budget(ranges, c, "int8-channel", 2000)
-    # 262,144 logits need 6 head chunks under the ANE's channel limit (the default 4 is
-    # refused with that figure, so a Gemma build passes --head-chunks 6).
+    # 262,144 logits need 6 head chunks under the ANE's channel limit (a build without
+    # --head-chunks takes that many).
     assert ranges[-1][1] == c.num_layers and min_head_chunks(vocab) == 6
     assert c.rope_freq_scale == (0.125 if name == "gemma-3-4b" else 1.0)
 

@@ -98,6 +98,9 @@ from ane_spec.shards.weights import (
 Progress = Callable[[str], None]
 
 
+DEFAULT_HEAD_CHUNKS = 4
+
+
 class BuildRequest(BaseModel):
     """Everything `ane-spec build` takes, validated before any work starts."""
 
@@ -108,7 +111,9 @@ class BuildRequest(BaseModel):
     weights: WeightFormat = "auto"
     layout: Layout = "BCT1"
     mask_form: MaskForm = "select"   # layer_graph's module docstring: what additive gives up
-    head_chunks: int = 4
+    # None: the default 4, or as many more as keep every chunk within MAX_HEAD_CHANNELS (Gemma's
+    # 262,144 entries need 6), so no vocabulary needs the flag.
+    head_chunks: int | None = None
     head_argmax: bool = False
     force_ane_limits: bool = False   # build what ane_limits refuses (it is said, not silent)
     max_shard_mb: int = DEFAULT_MAX_SHARD_MB
@@ -144,6 +149,9 @@ def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
     say = progress or (lambda _msg: None)
     out = Path(out_dir)
     model = open_gguf(gguf_path)
+    if request.head_chunks is None:
+        request = request.model_copy(update={"head_chunks": max(
+            DEFAULT_HEAD_CHUNKS, min_head_chunks(model.config.vocab_size))})
     ranges = _validate(model, request)
     head_plan, head_refusals = _plan_head(model, request)
     warnings = build_warnings(request.max_seq, request.weights, request.head_argmax)
