@@ -7,7 +7,7 @@ context costs the global layers only. The compiler sizes the ring's state, the h
 write and visibility masks (`runtime/host_inputs.py`), and `RingSlots` tracks, per conversation,
 the position each slot holds.
 
-Why R = W + MAX_T is enough (`ring_rows`). Every pass writes its rows BEFORE its attention
+Why R >= W + MAX_T is enough (`ring_rows`). Every pass writes its rows BEFORE its attention
 reads the state (the layer scatters, then attends to what the scatter returned), and a pass
 holds up to MAX_T rows at positions P..P+T-1. Writing position P+i overwrites position
 P+i-R. The earliest row of the pass, p = P, needs positions P-W+1..P; the latest overwritten
@@ -19,6 +19,11 @@ still above what was lost. The draft's own stale slot holds a position greater t
 until that position is written again (position q always lives in slot q mod R), so the causal
 half of the visibility rule (q_j <= p) hides it. R = W + MAX_T is therefore one slot more than
 the minimum W + MAX_T - 1; the spare row keeps the rule simple to state and to check.
+
+Then rounded up to a multiple of 32 (STATE_ALIGN): a state dimension that is not one fails on
+the ANE (coremltools #2631; the residency lint warns of it, and --max-seq is refused for the
+same reason). Gemma 3's windows are 512 and 1024, so W + 4 never is. More slots than W + MAX_T
+change nothing above: every bound there is "at least".
 
 Resuming a ring at an earlier position (a shorter shared prefix, a prefix copy into another
 slot) is a different matter: positions the prefix's next rows need may have been overwritten by
@@ -40,14 +45,16 @@ if TYPE_CHECKING:
 # What a slot that holds no position says. Negative, and far enough below every window that no
 # visibility test can pass for it even without the explicit check (p - W < -1 holds for p < W-1).
 NO_POSITION = -1
+# State dimensions the ANE takes (module docstring).
+STATE_ALIGN = 32
 
 
 def ring_rows(window: int, max_t: int) -> int:
-    """The ring size of a local layer: W + MAX_T (module docstring: W + MAX_T - 1 is the least
-    that keeps a T=MAX_T pass exact; one spare)."""
+    """The ring size of a local layer: W + MAX_T rounded up to a multiple of STATE_ALIGN
+    (module docstring: W + MAX_T - 1 is the least that keeps a T=MAX_T pass exact)."""
     if window <= 0 or max_t <= 0:
         raise ValueError(f"a ring needs a window and a pass width > 0 (got {window}, {max_t})")
-    return window + max_t
+    return -(-(window + max_t) // STATE_ALIGN) * STATE_ALIGN
 
 
 def uses_ring(window: int, max_t: int, max_seq: int) -> bool:
