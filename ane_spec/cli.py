@@ -512,11 +512,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_logits)
 
     p = sub.add_parser("synth", help="write a synthetic GGUF with the exact layout of Phi-4-mini "
-                                     "or of a Llama 3 / Qwen 2.5 / Qwen 3 model")
+                                     "or of a Llama 3 / Qwen 2.5 / Qwen 3 / Gemma 3 model")
     p.add_argument("out")
     p.add_argument("--preset", default="tiny",
                    choices=["tiny", "small", "phi4-mini", "llama-3.2-1b", "llama-3.2-3b",
-                            "qwen2.5-3b", "qwen3-4b"])
+                            "qwen2.5-3b", "qwen3-4b", "gemma-3-270m", "gemma-3-1b",
+                            "gemma-3-4b", "gemma3-tiny"])
     from ane_spec.model.architectures import ARCHITECTURES
 
     p.add_argument("--arch", choices=list(ARCHITECTURES),

@@ -106,3 +106,86 @@ def test_rendered_prompt_tokenizes_to_control_tokens() -> None:
     assert ids.count(200020) == 4 and ids.count(200021) == 2  # <|end|>, <|user|>
     assert tok.decode(ids) == prompt
     assert tok.decode(ids, skip_special=True) == "".join(m["content"] for m in CONVERSATION)
+
+
+# -- Gemma 3 ------------------------------------------------------------------------------------
+
+GEMMA_CHATS = [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "S"}, {"role": "user", "content": " padded\n"},
+     {"role": "assistant", "content": "4."}, {"role": "user", "content": "And 3+3?"}],
+    [{"role": "user", "content": "a\n\nb"}, {"role": "assistant", "content": "c"}],
+    [{"role": "user", "content": "Écris «ça» 😀"}, {"role": "assistant", "content": ""},
+     {"role": "user", "content": "<b>tags</b> stay text"}],
+]
+
+
+def _gemma(messages: list[dict], add_generation_prompt: bool = True) -> str:
+    from ane_spec.model.chat_templates import GEMMA3_CHAT_TEMPLATE
+
+    return render_chat(messages, template=GEMMA3_CHAT_TEMPLATE, bos_token="<bos>",
+                       eos_token="<eos>", add_bos=True,
+                       add_generation_prompt=add_generation_prompt)
+
+
+def test_gemma3_template() -> None:
+    """Gemma 3's rules: no system turn (its text opens the first user turn), "model" for
+    "assistant", contents trimmed, roles alternating; BOS is the tokenizer's (add_bos)."""
+    assert _gemma(GEMMA_CHATS[2]) == (
+        "<start_of_turn>user\nS\n\npadded<end_of_turn>\n<start_of_turn>model\n4.<end_of_turn>\n"
+        "<start_of_turn>user\nAnd 3+3?<end_of_turn>\n<start_of_turn>model\n")
+    assert _gemma(GEMMA_CHATS[3], add_generation_prompt=False) == (
+        "<start_of_turn>user\na\n\nb<end_of_turn>\n<start_of_turn>model\nc<end_of_turn>\n")
+    # Content parts: text trimmed, an image as <start_of_image>.
+    parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " x "}]}]
+    assert _gemma(parts).startswith("<start_of_turn>user\n<start_of_image>x<end_of_turn>")
+    from ane_spec.model.chat_templates import GEMMA3_CHAT_TEMPLATE
+
+    assert render_chat(GEMMA_CHATS[0], template=GEMMA3_CHAT_TEMPLATE, bos_token="<bos>") \
+        .startswith("<bos><start_of_turn>user\n")  # without add_bos, the template writes it
+    with pytest.raises(TokenizerError, match="Conversation roles must alternate"):
+        _gemma([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    with pytest.raises(TokenizerError, match="Conversation roles must alternate"):
+        _gemma([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                {"role": "tool", "content": "{}"}])
+
+
+@pytest.mark.oracle
+def test_gemma3_template_matches_llama_cpp() -> None:
+    """llama.cpp renders a template containing <start_of_turn> with its built-in
+    LLM_CHAT_TEMPLATE_GEMMA (llama_chat_apply_template: no BOS, which the tokenizer adds), and
+    llama-cpp-python's Jinja2ChatFormatter runs the template itself (BOS included); both agree
+    with this renderer on every conversation here. (They part only where a system message has
+    surrounding whitespace: llama.cpp's built-in trims it, the template keeps it.)"""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    from ane_spec.model.chat_templates import GEMMA3_CHAT_TEMPLATE
+
+    formatter = Jinja2ChatFormatter(GEMMA3_CHAT_TEMPLATE, eos_token="<eos>", bos_token="<bos>")
+    for chat in GEMMA_CHATS:
+        for add_gen in (True, False):
+            ours = _gemma(chat, add_generation_prompt=add_gen)
+            keep = [(m["role"].encode(), m["content"].encode()) for m in chat]
+            msgs = (llama_cpp.llama_chat_message * len(chat))(
+                *[llama_cpp.llama_chat_message(role=r, content=c) for r, c in keep])
+            buf = llama_cpp.ctypes.create_string_buffer(4096)
+            n = llama_cpp.llama_chat_apply_template(GEMMA3_CHAT_TEMPLATE.encode(), msgs,
+                                                    len(chat), add_gen, buf, len(buf))
+            assert 0 < n < len(buf) and buf.raw[:n].decode() == ours, chat
+            if add_gen:
+                assert formatter(messages=chat).prompt == "<bos>" + ours
+
+
+def test_gemma3_prompt_tokenizes_to_its_turn_tokens() -> None:
+    from ane_spec.model.chat_templates import GEMMA3_CHAT_TEMPLATE
+
+    data = build_synthetic_vocab(2048, family="gemma3")
+    assert data.chat_template == GEMMA3_CHAT_TEMPLATE
+    tok = Tokenizer.from_data(data)
+    ids = tok.encode(_gemma(GEMMA_CHATS[2]), special=True, add_special=True)
+    assert ids[:3] == [2, 105, tok.id_of("user")]  # <bos> once, then <start_of_turn>
+    assert ids.count(105) == 4 and ids.count(106) == 3 and ids[-1] == tok.id_of("\n")
+    assert tok.decode(ids, skip_special=True) == (
+        "user\nS\n\npadded\nmodel\n4.\nuser\nAnd 3+3?\nmodel\n")

@@ -8,6 +8,7 @@ llama.cpp are compared in test_gemma3_stack.py / test_gemma3_oracle.py.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ import pytest
 from gguf import GGUFValueType
 
 from ane_spec.errors import GGUFError
+from ane_spec.model.config import ModelConfig
 from ane_spec.model.gguf_file import open_gguf
 from ane_spec.model.inspect import describe, format_description
 from ane_spec.model.reference import ReferenceModel
@@ -70,7 +72,8 @@ def test_pattern_keys_and_refusals(tiny: Path, tmp_path: Path) -> None:
     with pytest.raises(GGUFError, match="final_logit_softcapping' is 30.0"):
         open_gguf(p)
     p = rewrite_gguf(tiny, tmp_path / "b.gguf", arch="gemma3",
-                     set_keys={"gemma3.attention.sliding_window_pattern": ("6", GGUFValueType.STRING)})
+                     set_keys={"gemma3.attention.sliding_window_pattern":
+                               ("6", GGUFValueType.STRING)})
     with pytest.raises(GGUFError, match="sliding_window_pattern' must be a non-negative integer"):
         open_gguf(p)
     p = rewrite_gguf(tiny, tmp_path / "base.gguf", arch="gemma3",
@@ -84,6 +87,10 @@ def test_pattern_keys_and_refusals(tiny: Path, tmp_path: Path) -> None:
     p = rewrite_gguf(p, tmp_path / "b3.gguf", arch="gemma3",
                      drop_keys=("gemma3.rope.freq_base_swa",))
     assert open_gguf(p).rope_spec(S, local=True).freq_base == 10000.0
+    # gemma3.cpp's one exception to 1/sqrt(key_length): 62 layers (the 27B) use n_embd/n_head.
+    meta = open_gguf(tiny).metadata | {"gemma3.block_count": 62}
+    c = ModelConfig.from_gguf_metadata(meta, vocab_size=1031, tied_embeddings=True, arch="gemma3")
+    assert c.attention_scale == 1 / math.sqrt(160 // 3) and len(c.swa_layers) == 62
     # A window of 0 is llama.cpp's LLAMA_SWA_TYPE_NONE too.
     p = rewrite_gguf(tiny, tmp_path / "w0.gguf", arch="gemma3",
                      set_keys={"gemma3.attention.sliding_window": (0, u32)})

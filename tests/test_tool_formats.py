@@ -169,6 +169,122 @@ def test_prompts_carry_the_real_tool_sections_and_text_stays_text(family: str) -
     assert tok.decode(ids) == tok.decode(whole)
 
 
+# -- Gemma 3: no tool-call format (llama.cpp: content only) -------------------------------------
+
+def _gemma_engine():  # noqa: ANN202
+    """What prepare() reads of an engine, over the synthetic Gemma 3 vocabulary; a grammar
+    compile would fail the test (a content-only template must need none)."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from ane_spec.daemon.config import ServeConfig
+    from ane_spec.decode.grammar_limits import GrammarLimits
+
+    tok = tokenizer("gemma3")
+
+    def no_compile(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError(f"a grammar was compiled: {args}")
+
+    return SimpleNamespace(
+        tokenizer=tok, config=ServeConfig(manifest=Path("unused"), backend="mil"), context=4096,
+        pipeline=SimpleNamespace(config=SimpleNamespace(vocab_size=tok.vocab_size, arch="gemma3"),
+                                 head_argmax=False),
+        grammars=SimpleNamespace(limits=GrammarLimits(), compile=no_compile, lookup=no_compile))
+
+
+def test_gemma_templates_have_no_call_format() -> None:
+    from ane_spec.daemon.tool_formats import CONTENT_ONLY
+    from ane_spec.model.chat_templates import GEMMA3_CHAT_TEMPLATE
+
+    tok = tokenizer("gemma3")
+    fmt = tool_format_of(tok.data.chat_template, tok.markup_ids, tok.id_of)
+    assert tok.data.chat_template == GEMMA3_CHAT_TEMPLATE
+    assert fmt is CONTENT_ONLY and not fmt.calls and fmt.name == "content"
+    # Gemma 2's template too (llama.cpp's models/templates/google-gemma-2-2b-it.jinja).
+    gemma2 = ("{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + "
+              "message['role'] + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+              "{% endfor %}")
+    assert tool_format_of(gemma2, frozenset(), lambda _: None) is CONTENT_ONLY
+    # A Gemma fine-tune whose template renders calls is not taken for one without any.
+    assert tool_format_of(gemma2 + "{{ message.tool_calls }}", frozenset(),
+                          lambda _: None) is None
+    with pytest.raises(TypeError, match="no tool-call grammar"):
+        fmt.grammar([WEATHER], "auto", None)
+    # Ollama's "tools" capability: not for Gemma 3; still for the families that call.
+    from ane_spec.daemon.tool_formats import can_call_tools
+
+    for family, calls in (("gemma3", False), ("phi4", True), ("llama3", True), ("qwen3", True)):
+        t = tokenizer(family)
+        assert can_call_tools(t.data.chat_template, t.markup_ids, t.id_of) is calls, family
+
+
+def test_gemma_tools_are_accepted_and_the_output_is_content() -> None:
+    """As llama-server with a Gemma 3 template: the tools reach the template (which renders
+    none of them), no grammar constrains the output and no parser reads calls in it; a call
+    cannot be required."""
+    from ane_spec.daemon.http_errors import BadRequest
+    from ane_spec.daemon.prepare import prepare
+    from ane_spec.daemon.protocol import ChatCompletionRequest
+
+    engine = _gemma_engine()
+    tools = [WEATHER.model_dump(exclude_none=True)]
+    plain = prepare(engine, ChatCompletionRequest.model_validate({"messages": ASK}), "chat")
+    for choice in ("auto", "none", None):
+        body = ChatCompletionRequest.model_validate(
+            {"messages": ASK, "tools": tools} | ({"tool_choice": choice} if choice else {}))
+        plan = prepare(engine, body, "chat")
+        assert plan.tools is None and plan.schema is None and plan.item.options.grammar is None
+        assert not plan.item.options.special_text  # output read as text, specials hidden
+        assert plan.item.prompt == plain.item.prompt  # the template ignores the tools
+    tok = engine.tokenizer
+    assert plain.item.prompt[:2] == [2, 105] and tok.decode(plain.item.prompt) == (
+        "<bos><start_of_turn>user\nWhat is the weather in Paris?<end_of_turn>\n"
+        "<start_of_turn>model\n")
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        body = ChatCompletionRequest.model_validate(
+            {"messages": ASK, "tools": tools, "tool_choice": choice})
+        with pytest.raises(BadRequest, match="no tool-call format") as err:
+            prepare(engine, body, "chat")
+        assert err.value.param == "tool_choice"
+    # An earlier call renders as an empty model turn (the template reads no tool_calls); a
+    # tool result breaks Gemma's strict alternation, which its template refuses.
+    call = {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "c1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    body = ChatCompletionRequest.model_validate(
+        {"messages": ASK + [call, {"role": "user", "content": "Thanks"}], "tools": tools})
+    assert "<start_of_turn>model\n<end_of_turn>" in tok.decode(prepare(engine, body,
+                                                                         "chat").item.prompt)
+    body = ChatCompletionRequest.model_validate({"messages": ASK + [call, {
+        "role": "tool", "tool_call_id": "c1", "content": "sunny"}], "tools": tools})
+    with pytest.raises(BadRequest, match="Conversation roles must alternate"):
+        prepare(engine, body, "chat")
+
+
+def test_ollama_refuses_tools_for_gemma_as_ollama_does() -> None:
+    """Ollama lists no "tools" capability for Gemma 3 and answers a /api/chat with tools
+    "... does not support tools" (400), before any generation."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from ane_spec.daemon.ollama_api import router
+
+    def generate(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("generation was started")
+
+    engine = _gemma_engine()
+    engine.model_id = "gemma-test"
+    engine.pipeline.manifest = SimpleNamespace(model=SimpleNamespace(arch="gemma3"))
+    app = FastAPI()
+    app.include_router(router(engine, generate))
+    r = TestClient(app).post("/api/chat", json={
+        "model": "gemma-test", "messages": ASK, "stream": False,
+        "tools": [WEATHER.model_dump(exclude_none=True)]})
+    assert r.status_code == 400 and "does not support tools" in r.json()["error"], r.text
+
+
 # -- live: a real server on loopback over small Llama 3 and Qwen 3 builds ------------------------
 
 CITY = Tool.model_validate({"type": "function", "function": {

@@ -4,7 +4,10 @@ itself reads the same vocabulary from a GGUF."""
 
 from __future__ import annotations
 
+import hashlib
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,6 +82,21 @@ def test_deterministic_and_any_size(small: TokenizerData) -> None:
     vocab_mod._gemma3.cache_clear()
     again = build_synthetic_vocab(2048, family="gemma3")
     assert again == small and again is not small
+    # ... and across processes (tokenizers' trainer is multi-threaded and hash-seeded).
+    code = ("import hashlib; from ane_spec.model.vocab import build_synthetic_vocab as b; "
+            "print(hashlib.sha256(b(2048, family='gemma3').model_dump_json().encode())"
+            ".hexdigest())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={"PYTHONHASHSEED": "12345", "RAYON_NUM_THREADS": "1"},
+                         cwd=Path(__file__).parent.parent)
+    assert out.stdout.strip() == hashlib.sha256(small.model_dump_json().encode()).hexdigest()
+    # A seed text adds its words; one spelling fixed or filler names cannot make them pieces.
+    seeded = build_synthetic_vocab(2048, family="gemma3",
+                                   seed_text="zyzzyva quokka " * 50 + "<b>[PAD1500]</b> " * 50)
+    assert "▁quokka" in seeded.tokens and "▁quokka" not in small.tokens
+    assert seeded.tokens.count("<b>") == 1 and seeded.tokens.count("</b>") == 1
+    assert [i for i, t in enumerate(seeded.tokens) if t == "[PAD1500]"] in ([], [1500])
+    assert any(t.startswith("[PA") for t in seeded.tokens[494:])  # the seed was learned
     for n in (GEMMA3_MIN_VOCAB_SIZE, 1500, 5000):
         d = build_synthetic_vocab(n, family="gemma3")
         assert len(d.tokens) == n and d.tokens[-1].startswith("<unused")

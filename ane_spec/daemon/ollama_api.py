@@ -312,10 +312,10 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
         return info
 
     def capabilities() -> list[str]:
-        from ane_spec.daemon.tool_formats import tool_format_of
+        from ane_spec.daemon.tool_formats import can_call_tools
 
         caps = ["completion"]
-        if tool_format_of(tok.data.chat_template, tok.markup_ids, tok.id_of) is not None:
+        if can_call_tools(tok.data.chat_template, tok.markup_ids, tok.id_of):
             caps.append("tools")
         if fim is not None:
             caps.append("insert")
@@ -381,6 +381,9 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
             fields = _generation_fields(body, "chat") | {
                 "messages": _openai_messages(body.messages)}
             if body.tools:
+                if "tools" not in capabilities():  # Ollama's capability check, in its words
+                    raise Failure(400, f"{body.model or name()} does not support tools (its "
+                                       "chat template has no tool-call format)", "tools")
                 fields["tools"] = body.tools
             inner = validated(ChatCompletionRequest, fields)
             return await run(request, inner, "chat", body, started)

@@ -27,7 +27,8 @@ from ane_spec.daemon.engine import Engine, WorkItem
 from ane_spec.daemon.fim import fim_prompt, fim_tokens
 from ane_spec.daemon.http_errors import BadRequest
 from ane_spec.daemon.protocol import (
-    RANDOM_SEED, SEED_MAX, ChatCompletionRequest, CompletionRequest, SpeculationOptions, Tool,
+    RANDOM_SEED, SEED_MAX, ChatCompletionRequest, CompletionRequest, NamedToolChoice,
+    SpeculationOptions, Tool,
 )
 from ane_spec.daemon.tool_formats import (
     PHI4, TemplateInput, ToolFormat, tool_format_of, tool_tag_ids,
@@ -152,14 +153,23 @@ def prepare(engine: Engine, body: ChatCompletionRequest | CompletionRequest, kin
                          "<|tool_call|>, Llama 3's JSON calls, Qwen's <tool_call> tags)", "tools")
     # A template without a known format still renders earlier calls somehow: as Phi-4-mini's.
     fmt = fmt or PHI4
+    # The tools the template is given. A template with no call format (Gemma 3) gets them as
+    # llama.cpp gives them, and the output is plain content: no grammar, no call parsing.
+    template_tools = body.tools if uses_tools else None
+    if uses_tools and not fmt.calls:
+        if body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice):
+            raise BadRequest(f"tool_choice: this model's chat template "
+                             f"({engine.pipeline.config.arch}) has no tool-call format, so its "
+                             "output is read as text and a call cannot be required; use "
+                             "tool_choice \"auto\" or \"none\"", "tool_choice")
+        uses_tools = False
     # The grammar first: one not compiled yet sends the request to the compile queue before
     # any tokenizing, which would otherwise be done twice.
     constraint = _constraint(engine, body, kind, fmt if uses_tools else None, ready)
     if kind == "chat":
         where = "messages"
         try:
-            given = fmt.template_input(body.messages, body.tools if uses_tools else None,
-                                       engine.grammars.limits)
+            given = fmt.template_input(body.messages, template_tools, engine.grammars.limits)
         except (ValueError, GrammarError) as exc:
             raise BadRequest(str(exc), "messages") from None
         prompt = _chat_prompt(tok, given, config.special_in_content, tool_tag_ids(fmt, tok.id_of))

@@ -6,7 +6,13 @@ template and vocabulary, as llama.cpp's common/chat.cpp chooses (common_chat_tem
   (`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call);
 - `<|start_header_id|>ipython<|end_header_id|>` in the template: Llama 3.x (one JSON object
   `{"name": ..., "parameters": {...}}`; Meta's template renders only one call per turn);
-- a `<|tool_call|>` control token (Phi-4-mini, tools.py): `<|tool_call|>[...]<|/tool_call|>`.
+- a `<|tool_call|>` control token (Phi-4-mini, tools.py): `<|tool_call|>[...]<|/tool_call|>`;
+- `<start_of_turn>` and no `tool_calls` in the template: Gemma 2 / 3, whose templates render
+  neither tools nor calls. llama.cpp has no tool format for them: its differential autoparser
+  finds none (chat-auto-parser-generator.cpp builds a tool parser and grammar only for a
+  template whose jinja caps say supports_tool_calls) and reads the whole output as content
+  (tests/test-chat.cpp: "Google Gemma 2 2B - does not support tool calling"). So tools are
+  accepted and given to the template, which ignores them, and nothing is read as a call.
 
 Templates get tools and calls as llama.cpp gives them: `tools` is OpenAI's list, an assistant
 message's `tool_calls` carry arguments as parsed JSON (the templates `tojson` them), tool
@@ -46,6 +52,9 @@ from ane_spec.decode.json_tightening import tighten
 
 HERMES_CALL, HERMES_CALL_END = "<tool_call>", "</tool_call>"
 LLAMA3_IPYTHON = "<|start_header_id|>ipython<|end_header_id|>"
+# What llama.cpp's llm_chat_detect_template looks for to call a template Gemma's
+# (LLM_CHAT_TEMPLATE_GEMMA); Gemma 4's templates use `<|turn>` instead.
+GEMMA_TURN = "<start_of_turn>"
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,9 @@ class ToolFormat:
     tags: tuple[str, ...] = ()
     # The template reads an assistant message's `reasoning_content` (Qwen 3), see split_thinking.
     reasoning_field = False
+    # Whether the model can call tools at all: False for a template with no tool-call format
+    # (ContentOnlyFormat), whose output is all content, as llama.cpp reads it.
+    calls = True
 
     def template_input(self, messages: list[ChatMessage], tools: list[Tool] | None,
                        limits: GrammarLimits = GrammarLimits()) -> TemplateInput:
@@ -186,7 +198,26 @@ class Qwen3Format(HermesFormat):
     reasoning_field = True
 
 
+class ContentOnlyFormat(ToolFormat):
+    """A template with no tool-call format (Gemma 2 / 3): tools and earlier calls are handed to
+    it as to any template (it renders neither), and the output is content, never a call, as
+    llama.cpp's content-only parser reads it. Having no call syntax, it has no grammar: a call
+    cannot be required (the server refuses tool_choice "required" or a named function, where
+    llama.cpp would silently answer in text)."""
+
+    name = "content"
+    calls = False
+
+    def parser(self) -> ToolCallParser:
+        raise TypeError("a content-only template has no tool-call parser")
+
+    def grammar(self, tools: list[Tool], choice: str | NamedToolChoice | None,
+                parallel: bool | None) -> str:
+        raise TypeError("a content-only template has no tool-call grammar")
+
+
 PHI4, HERMES, QWEN3, LLAMA3 = Phi4Format(), HermesFormat(), Qwen3Format(), Llama3Format()
+CONTENT_ONLY = ContentOnlyFormat()
 
 
 def tool_tag_ids(fmt: ToolFormat, id_of: Any) -> list[int]:
@@ -198,12 +229,22 @@ def tool_tag_ids(fmt: ToolFormat, id_of: Any) -> list[int]:
 
 def tool_format_of(template: str | None, markup_ids: frozenset[int],
                    id_of: Any) -> ToolFormat | None:
-    """The format a GGUF's template and vocabulary call tools in, or None. `template` None is
-    Phi-4-mini's own (chat.PHI4_MINI_CHAT_TEMPLATE)."""
+    """The format a GGUF's template and vocabulary call tools in (CONTENT_ONLY: they cannot),
+    or None where the server knows of none. `template` None is Phi-4-mini's own
+    (chat.PHI4_MINI_CHAT_TEMPLATE)."""
     if template is not None and HERMES_CALL in template:
         return QWEN3 if "reasoning_content" in template else HERMES
     if template is not None and LLAMA3_IPYTHON in template:
         return LLAMA3
     if id_of(TOOL_CALL) in markup_ids:
         return PHI4
+    if template is not None and GEMMA_TURN in template and "tool_calls" not in template:
+        return CONTENT_ONLY
     return None
+
+
+def can_call_tools(template: str | None, markup_ids: frozenset[int], id_of: Any) -> bool:
+    """Whether the model has a tool-call format (what Ollama's "tools" capability says): not
+    Gemma 3, whose tools are accepted but never called (Ollama lists none for it either)."""
+    fmt = tool_format_of(template, markup_ids, id_of)
+    return fmt is not None and fmt.calls

@@ -4,7 +4,7 @@ This is the oracle every shard is checked against, so it shares nothing with the
 the model contract (config, architecture description, tensors, RoPE tables). It is written for
 clarity, not speed.
 
-    h = token_embd[tokens] (* sqrt(hidden)                                               gemma3)
+    h = token_embd[tokens]           (gemma3: * sqrtf(hidden), in fp32)
     for each layer:
         a = rmsnorm(h, attn_norm)
         q, k, v = a @ attn_qkv.T split, or a @ attn_{q,k,v}.T (+ attn_{q,k,v}.bias)   qwen2

@@ -185,6 +185,8 @@ def preset(name: str, **overrides: object) -> SyntheticSpec:
             values["rope_dims"] = None
     if values.get("rope_freqs") and ARCHITECTURES[values["arch"]].rope_factors != "freqs":
         values["rope_freqs"] = False
+    if not ARCHITECTURES[values["arch"]].swa_pattern:  # a Gemma preset as another family
+        values |= {"sliding_window": 0, "swa_pattern": None}
     try:
         return SyntheticSpec(**values)
     except ValidationError as exc:

@@ -22,7 +22,9 @@ Two vocabularies use the layout:
 * `build_trained_vocab(texts, n)`, for a trained model: merges learned from the model's own
   training corpus until the BPE region is full.
 
-Both are deterministic for their input.
+Both are deterministic for their input. `build_synthetic_vocab(n, family=...)` also lays the
+corpus out as Llama 3's or Qwen's vocabulary (family_layout), or as Gemma 3's SentencePiece one
+(vocab_gemma3).
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from ane_spec.model.chat_templates import (
     QWEN3_CHAT_TEMPLATE,
     QWEN25_CHAT_TEMPLATE,
 )
-from ane_spec.model.vocab_gemma3 import gemma3_layout
 from ane_spec.model.tokenizer import (
     GPT4O_PATTERN,
     TOKEN_CONTROL,
@@ -49,6 +50,7 @@ from ane_spec.model.tokenizer import (
     TokenizerData,
     bytes_to_unicode,
 )
+from ane_spec.model.vocab_gemma3 import gemma3_layout
 
 MIN_VOCAB_SIZE = 512
 _FILLER = re.compile(r"\[PAD\d+\]")
@@ -217,9 +219,9 @@ def _trained(seed_text: str | None) -> tuple[tuple[str, str], ...]:
 
 def build_synthetic_vocab(vocab_size: int, *, seed_text: str | None = None,
                           family: str = "phi4") -> TokenizerData:
-    """A deterministic byte-level BPE vocabulary with the layout of `family` at `vocab_size`:
-    "phi4" (Phi-4-mini's), "llama3" or "qwen2"/"qwen3" (family_layout), or "gemma3" (a
-    SentencePiece vocabulary, vocab_gemma3; needs vocab_size >= GEMMA3_MIN_VOCAB_SIZE)."""
+    """A deterministic vocabulary with the layout of `family` at `vocab_size`: byte-level BPE
+    for "phi4" (Phi-4-mini's), "llama3" or "qwen2"/"qwen3" (family_layout); SentencePiece for
+    "gemma3" (vocab_gemma3, from the same corpus; vocab_size >= GEMMA3_MIN_VOCAB_SIZE)."""
     if family == "gemma3":
         return _gemma3(seed_text, vocab_size)
     if vocab_size < MIN_VOCAB_SIZE:

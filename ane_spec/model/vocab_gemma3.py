@@ -75,9 +75,9 @@ MIN_CHAR_COUNT = 2
 GEMMA3_MIN_VOCAB_SIZE = 1024
 
 ADDED_SCORE, BYTE_SCORE, FILLER_SCORE = -1000.0, 0.0, -10000.0
+_FILLER = re.compile(r"\[PAD\d+\]")
 # Cut a word before every ▁ and around every digit; newlines (and rare characters, replaced by
 # one) end a word and belong to no piece.
-_FILLER = re.compile(r"\[PAD\d+\]")
 _WORD = re.compile(rf"\d|{ESCAPED_SPACE}?[^{ESCAPED_SPACE}\d\n]+|{ESCAPED_SPACE}")
 
 
