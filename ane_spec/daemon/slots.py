@@ -9,6 +9,9 @@ runs in place when resident, or is restored into the least-recently-used residen
 Anything else is a *miss*: it takes the least-recently-used resident slot (an empty one first),
 and when another conversation shares a useful prefix with it (at least MIN_SHARED tokens: an
 app's system prompt) that prefix's K/V is copied in, so the other conversation stays intact.
+With KV rings (sliding-window layers, model/swa_ring.py) that copy is made only while the
+source's ring still holds the positions the prefix's next tokens see (`_continues`); otherwise
+the prompt is recomputed.
 
 A conversation that a slot's new occupant pushes out is *spilled* instead of dropped: its K/V
 rows are copied to host memory (`kv_state`), up to a byte budget, the least recently used
