@@ -135,7 +135,8 @@ def cmd_build(args: argparse.Namespace) -> int:
                            layout=args.layout, head_chunks=args.head_chunks,
                            head_argmax=args.head_argmax, max_shard_mb=args.max_shard_mb,
                            min_weight_cosine=args.min_weight_cosine,
-                           force_ane_limits=args.force_ane_limits)
+                           force_ane_limits=args.force_ane_limits,
+                           swa_ring=not args.no_swa_ring)
     result = build(_model_path(args.gguf), args.out, request, force=args.force,
                    progress=lambda msg: tqdm.write(f"[build] {msg}", file=sys.stderr))
     for line in result.summary:
@@ -573,6 +574,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force-ane-limits", action="store_true",
                    help="build what the Neural Engine's known limits refuse (e.g. --max-seq over "
                         "16,384); the build says each limit it overrides")
+    p.add_argument("--no-swa-ring", action="store_true",
+                   help="sliding-window layers (Gemma 3) keep full-length K/V states instead "
+                        "of rings of W + 4 slots (rounded to 32); for comparison")
     p.set_defaults(handler=cmd_build)
 
     p = sub.add_parser("generate", help="generate text with a built model (speculative by default)")
