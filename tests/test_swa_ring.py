@@ -166,11 +166,13 @@ def test_manifest_refuses_a_ring_mismatch(builds, tmp_path: Path) -> None:
 # --- exactness ---------------------------------------------------------------------------------
 
 def test_ring_logits_match_the_full_length_build(builds, ring16) -> None:
-    """Not bitwise, measured: the ring's visible slots sit in rotated order (slot q mod 32), so
-    the softmax's sum and probs @ V add the same terms in another order once the ring wraps.
-    fp16 logits then differ by an ulp or two on some rows after the wrap (figure printed), far
-    below any margin: cosine >= 0.99999 and every argmax equal, over 2 x 60 positions. Rows
-    before the wrap are bitwise equal (same slots, same order; only exact zeros are added)."""
+    """Not bitwise, measured: the ring's visible slots sit in rotated order (slot q mod 32) once
+    it wraps, and before that the ring's 32 slots against 64 change how the interpreter's matmul
+    blocks its sums; either way the softmax's sum and probs @ V add the same terms (hidden ones
+    exactly 0) in another order. fp16 logits then differ by about an ulp on some rows (the
+    bitwise-equal count is printed; 84/96 rows before the wrap and 34/96 after, max |diff|
+    0.0015, on three 64-token prompts), far below any margin: cosine >= 0.99999 and every
+    argmax equal, over 2 x 60 positions."""
     full = open_pipeline(builds["full"], "mil", "fp16")[1]
     same = rows = 0
     for seed in (1, 2):
@@ -178,7 +180,6 @@ def test_ring_logits_match_the_full_length_build(builds, ring16) -> None:
         a, b = prefill_logits(ring16, toks), prefill_logits(full, toks)
         cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
         assert cos.min() >= 0.99999 and (a.argmax(1) == b.argmax(1)).all()
-        assert np.array_equal(a[:R], b[:R])  # before the ring wraps: same order, bitwise
         same += sum(np.array_equal(x, y) for x, y in zip(a, b))
         rows += len(a)
     print(f"ring vs full-length fp16: {same}/{rows} rows bitwise equal")
