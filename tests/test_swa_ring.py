@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from ane_spec.daemon.kv_state import StateLayout
-from ane_spec.daemon.slot_files import SlotFileError, _content_hash, load_slot, save_slot
+from ane_spec.daemon.slot_files import SlotFileError, _content_hash, load_slot
 from ane_spec.daemon.slots import SlotManager
 from ane_spec.decode.session import DecodeSession, GenerateOptions
 from ane_spec.errors import ManifestError
@@ -248,20 +248,23 @@ def test_spill_restore_and_slot_files_carry_the_ring(ring16, tmp_path: Path) -> 
     assert "restore" in events
     assert got == DecodeSession(ring16).generate(nxt, GenerateOptions(max_tokens=8)).tokens
 
+    # Saved to a file and restored into another manager's slot: the same continuation.
     layout = StateLayout(ring16)
     entry = mgr.resident[0]
-    path = tmp_path / "a.slot"
     n = len(entry.tokens)
-    save_slot(path, layout, entry.tokens, layout.capture(entry.state, n), None, None,
-              layout.ring_positions(entry.state, n))
+    mgr.save(0, tmp_path, "a")
+    path = tmp_path / "a.slot"
     contents = load_slot(path, layout)
     assert contents.ring == layout.ring_positions(entry.state, n)
-    fresh = DecodeSession(ring16)
-    layout.install(fresh.state, contents.arrays, n, contents.ring)
-    fresh.kv_tokens = list(contents.tokens)
+    other = SlotManager(ring16, 1, 1 << 24)
+    other.restore(0, tmp_path, "a")
+    assert other.resident[0].state.ring.positions() == contents.ring
     more = [*contents.tokens, *prompt(13, 3)]
-    assert fresh.generate(more, GenerateOptions(max_tokens=6)).tokens == \
-        DecodeSession(ring16).generate(more, GenerateOptions(max_tokens=6)).tokens
+    s = DecodeSession(ring16)
+    s.use_slot(other.resident[0].state, other.resident[0].tokens)
+    out = s.generate(more, GenerateOptions(max_tokens=6))
+    assert out.stats.reused_prefix_tokens == n
+    assert out.tokens == DecodeSession(ring16).generate(more, GenerateOptions(max_tokens=6)).tokens
     # A re-signed file whose positions are not in their slots is refused by name.
     data = path.read_bytes()
     header, body = split(data)

@@ -307,6 +307,9 @@ class ShardPipeline:
         if not 1 <= len(tokens) <= self.max_t:
             raise AneSpecError(f"a pass takes 1..{self.max_t} tokens, got {len(tokens)}")
         width = self.shape.pass_width(len(tokens)) if width is None else width
+        # Records the pass's ring writes before it runs, and keeps them if it fails: the slots
+        # then count as holding the new positions (hidden until written again), never as still
+        # holding what a partial write may have overwritten, so `can_resume` stays safe.
         inputs = self.host.block(position, len(tokens), width, state.ring)
         padded = [*tokens, *[tokens[-1]] * (width - len(tokens))]
         return self._run(padded, inputs, state, len(tokens), t0)
