@@ -318,3 +318,30 @@ def test_prefix_copy_only_while_the_ring_holds_the_window(ring16, monkeypatch) -
     events.clear()
     _, reused = serve([*long[:24], *prompt(23, 4)])
     assert "copy" not in events and reused == 0
+
+
+def test_core_ml_runs_the_ring_build_as_the_interpreter_does(coreml_standin, builds,
+                                                             capsys) -> None:
+    """The ring build through Core ML's path (tests/coreml_standin.py: the real CoreMLBackend
+    and its worker process, the packages' declared inputs and state shapes enforced), token for
+    token against the fp16 interpreter, past the ring's 32 slots."""
+    import json as json_mod
+
+    from ane_spec.cli import main
+    from ane_spec.decode.generate import prompt_tokens
+
+    art = builds["ring"]
+    mil = open_pipeline(art, "mil", "fp16")[1]
+    # Decoded synthetic ids re-tokenize otherwise (special-token texts, merges): the first
+    # text that `generate` reads as 25..44 tokens.
+    text = next(t for t in (mil.tokenizer.decode(prompt(30, n)) for n in range(8, 60))
+                if 25 <= len(prompt_tokens(mil, prompt=t)) <= 44)
+    code = main(["generate", "--manifest", str(art), "--prompt", text, "--max-tokens", "12",
+                 "--backend", "coreml", "--json"])
+    assert code == 0
+    got = json_mod.loads(capsys.readouterr().out)
+    assert main(["generate", "--manifest", str(art), "--prompt", text, "--max-tokens", "12",
+                 "--backend", "mil", "--json"]) == 0
+    want = json_mod.loads(capsys.readouterr().out)
+    assert got["prompt_tokens"] + 12 > R
+    assert got["tokens"] == want["tokens"] and len(want["tokens"]) == 12
