@@ -137,7 +137,8 @@ def cmd_build(args: argparse.Namespace) -> int:
                            max_head_mb=args.max_head_mb,
                            min_weight_cosine=args.min_weight_cosine,
                            force_ane_limits=args.force_ane_limits,
-                           mask_form=args.mask_form)
+                           mask_form=args.mask_form,
+                           swa_ring=not args.no_swa_ring)
     result = build(_model_path(args.gguf), args.out, request, force=args.force,
                    progress=lambda msg: tqdm.write(f"[build] {msg}", file=sys.stderr))
     for line in result.summary:
@@ -588,6 +589,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="build what the Neural Engine's known limits refuse (e.g. --max-seq over "
                         "16,384, an LM-head chunk over --max-head-mb); the build says each "
                         "limit it overrides")
+    p.add_argument("--no-swa-ring", action="store_true",
+                   help="sliding-window layers (Gemma 3) keep full-length K/V states instead "
+                        "of rings of W + 4 slots (rounded to 32); for comparison")
     p.set_defaults(handler=cmd_build)
 
     p = sub.add_parser("generate", help="generate text with a built model (speculative by default)")

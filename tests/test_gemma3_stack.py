@@ -55,9 +55,11 @@ def test_packages_are_fp16_with_gemmas_ops(conditioned: tuple[Path, Path]) -> No
         assert facts.ops["conv"] == 4 * n and facts.ops["layer_norm"] == 6 * n
         assert facts.ops["gelu"] == n
         inputs = {i.name: i.shape for i in shard.inputs}
-        # The local tables and mask ride in the same inputs as the global ones.
-        assert inputs["rope_cos"] == ["T", 64] and inputs["attn_mask"] == [1, 2, "T", S]
-        assert facts.states[f"layer_{shard.layers[0]}_k"] == ([1, 1, S, 64], "fp16")
+        # The local tables and masks ride in the same inputs as the global ones; local layers
+        # keep KV rings of W + 4 -> 32 slots (test_swa_ring.py), the global layer 2 S slots.
+        assert inputs["rope_cos"] == ["T", 64] and inputs["attn_mask"] == [1, 1, "T", S + 32]
+        slots = 32 if m.model.is_local(shard.layers[0]) else S
+        assert facts.states[f"layer_{shard.layers[0]}_k"] == ([1, 1, slots, 64], "fp16")
 
 
 def test_host_local_mask_is_llama_cpps_window() -> None:

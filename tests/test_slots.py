@@ -213,7 +213,7 @@ def saved(builds, tmp_path_factory) -> tuple[Path, list[int], object]:
 
 def test_slot_file_round_trip(saved) -> None:
     path, kv, layout = saved
-    got_tokens, arrays, scope = load_slot(path, layout)
+    got_tokens, arrays, scope, _ = load_slot(path, layout)
     assert got_tokens == kv and scope is None
     state = layout.pipeline.new_state()
     layout.install(state, arrays, len(kv))

@@ -9,6 +9,11 @@ Values are kept in the dtype the backend stores them in, so a capture and an ins
 bit for bit: fp16 on Core ML (states are fp16 only) and in the interpreter's fp16 mode, float32
 in its fp32 mode. `LoadedProgram.read_state` returns float32 copies; converting back to the
 stored dtype is exact because every value came from it.
+
+A build with KV rings (model/swa_ring.py) keeps its local layers' states whole (R slots, any
+conversation length), and a capture carries the ring's per-slot positions beside the arrays
+(`ring_positions`): past the n tokens they are forgotten, so an install knows exactly which
+positions its slots hold and a later prefix check (`ShardPipeline.can_resume`) stays exact.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ane_spec.model.swa_ring import RingSlots
 from ane_spec.runtime.pipeline import PipelineState, ShardPipeline
 
 # The layer graph's K/V states are [1, kv_heads, max_seq, head_dim] (shards/programs.py).
@@ -49,6 +55,8 @@ class StateLayout:
                         else None)
                 entries.append(StateEntry(k, name, shape, axis))
         self.entries: tuple[StateEntry, ...] = tuple(entries)
+        host = pipeline.host
+        self.ring, self.window = host.ring, host.window  # ring slots (0: none), local window
 
     def shape(self, entry: StateEntry, n: int) -> tuple[int, ...]:
         """The shape a capture of n tokens keeps of this state."""
@@ -69,14 +77,40 @@ class StateLayout:
             out.append(np.ascontiguousarray(rows, dtype=self.dtype))
         return out
 
+    def ring_positions(self, state: PipelineState, n: int) -> list[int] | None:
+        """The positions a capture of n tokens holds in each ring slot (-1: none), or None
+        without a ring."""
+        if state.ring is None:
+            return None
+        ring = state.ring.copy()
+        ring.forget_from(n)
+        return ring.positions()
+
+    def make_ring(self, positions: list[int] | None, n: int) -> RingSlots | None:
+        """The ring record for an install of n tokens (ValueError: positions that this build's
+        ring cannot hold, or none where it needs them)."""
+        if not self.ring:
+            if positions is not None:
+                raise ValueError("ring positions for a build without KV rings")
+            return None
+        if positions is None:
+            raise ValueError("this build's KV rings need their slots' positions")
+        ring = RingSlots.from_positions(self.ring, self.window, positions)
+        ring.forget_from(n)
+        return ring
+
     def clear(self, state: PipelineState) -> None:
         """Zero every state tensor: what a fresh state holds."""
+        state.ring = self.pipeline.host.new_ring()
         for e in self.entries:
             self.pipeline.shards[e.shard].write_state(state.shard_states[e.shard], e.name,
                                                       np.zeros(e.shape, dtype=self.dtype))
 
-    def install(self, state: PipelineState, arrays: list[np.ndarray], n: int) -> None:
-        """Write captured rows into `state` (zeros past them)."""
+    def install(self, state: PipelineState, arrays: list[np.ndarray], n: int,
+                ring: list[int] | None = None) -> None:
+        """Write captured rows into `state` (zeros past them), and a ring build's positions
+        (`ring_positions` of the capture)."""
+        state.ring = self.make_ring(ring, n)
         for e, rows in zip(self.entries, arrays, strict=True):
             program = self.pipeline.shards[e.shard]
             if e.seq_axis is None:

@@ -75,6 +75,8 @@ class SlotHeader(BaseModel):
     dtype: str
     tokens: list[int]
     scope: str | None = None  # the --draft-memory scope (a hash, never a key) it belongs to
+    # A build with KV rings: the position each ring slot holds (kv_state.ring_positions).
+    ring: list[int] | None = None
     content_sha256: str
 
 
@@ -82,6 +84,7 @@ class SlotContents(NamedTuple):
     tokens: list[int]
     arrays: list[np.ndarray]
     scope: str | None
+    ring: list[int] | None = None  # a ring build's per-slot positions
 
 
 def build_identity(layout: StateLayout) -> BuildIdentity:
@@ -112,13 +115,16 @@ def saved_files(directory: Path) -> dict[str, os.stat_result]:
 
 
 def save_slot(path: Path, layout: StateLayout, tokens: list[int], arrays: list[np.ndarray],
-              scope: str | None = None, quota: SlotQuota | None = None) -> int:
+              scope: str | None = None, quota: SlotQuota | None = None,
+              ring: list[int] | None = None) -> int:
     """Write atomically (a temp file renamed into place) within `quota`; returns the size."""
     payload = b"".join(np.ascontiguousarray(a, dtype=layout.dtype).tobytes() for a in arrays)
     if len(payload) != layout.nbytes(len(tokens)):
         raise SlotFileError("the captured state does not match this build's layout")
     header = {"build": build_identity(layout).model_dump(mode="json"),
               "dtype": layout.dtype.name, "tokens": [int(t) for t in tokens], "scope": scope}
+    if ring is not None:  # absent otherwise: files without rings stay byte for byte the same
+        header["ring"] = [int(q) for q in ring]
     header["content_sha256"] = _content_hash(header, payload)
     head = json.dumps(header, separators=(",", ":")).encode()
     size = len(MAGIC) + 8 + len(head) + len(payload)
@@ -185,7 +191,7 @@ def load_slot(path: Path, layout: StateLayout) -> SlotContents:
             if len(prefix) < len(MAGIC) + 8 or not prefix.startswith(MAGIC):
                 raise SlotFileError(f"{where}: not an ane-spec slot file")
             (head_len,) = struct.unpack("<Q", prefix[len(MAGIC):])
-            if head_len > _HEADER_SLACK + 12 * layout.max_seq:
+            if head_len > _HEADER_SLACK + 12 * (layout.max_seq + layout.ring):
                 raise SlotFileError(f"{where}: corrupt (a {head_len}-byte header)")
             raw = fh.read(head_len)
             header = _parse_header(where, raw)
@@ -206,7 +212,8 @@ def load_slot(path: Path, layout: StateLayout) -> SlotContents:
             payload = fh.read(want)
     except OSError as exc:
         raise SlotFileError(f"cannot read slot file {where}: {exc.strerror}") from None
-    unsigned = header.model_dump(mode="json", exclude={"content_sha256"})
+    unsigned = header.model_dump(mode="json", exclude={"content_sha256"}
+                                 | ({"ring"} if header.ring is None else set()))
     if _content_hash(unsigned, payload) != header.content_sha256:
         raise SlotFileError(f"{where}: corrupt (its content hash does not match: edited or "
                             "damaged)")
@@ -219,7 +226,11 @@ def load_slot(path: Path, layout: StateLayout) -> SlotContents:
             raise SlotFileError(f"{where}: holds K/V that are not finite (NaN or Inf); refused")
         arrays.append(rows.reshape(shape).copy())
         offset += count * layout.dtype.itemsize
-    return SlotContents(header.tokens, arrays, header.scope)
+    try:
+        layout.make_ring(header.ring, n)
+    except ValueError as exc:
+        raise SlotFileError(f"{where}: its KV ring does not fit this build: {exc}") from None
+    return SlotContents(header.tokens, arrays, header.scope, header.ring)
 
 
 def _content_hash(header: dict, payload: bytes) -> str:

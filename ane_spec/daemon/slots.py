@@ -9,6 +9,9 @@ runs in place when resident, or is restored into the least-recently-used residen
 Anything else is a *miss*: it takes the least-recently-used resident slot (an empty one first),
 and when another conversation shares a useful prefix with it (at least MIN_SHARED tokens: an
 app's system prompt) that prefix's K/V is copied in, so the other conversation stays intact.
+With KV rings (sliding-window layers, model/swa_ring.py) that copy is made only while the
+source's ring still holds the positions the prefix's next tokens see (`_continues`); otherwise
+the prompt is recomputed.
 
 A conversation that a slot's new occupant pushes out is *spilled* instead of dropped: its K/V
 rows are copied to host memory (`kv_state`), up to a byte budget, the least recently used
@@ -82,6 +85,7 @@ class Slot(_Cached):
 @dataclass
 class Spilled(_Cached):
     arrays: list[np.ndarray] = field(default_factory=list)
+    ring: list[int] | None = None  # a ring build's per-slot positions (kv_state)
     nbytes: int = 0
 
 
@@ -136,7 +140,8 @@ class SlotManager:
             if slot.scope != scope:
                 slot.tokens = []
             slot.prompt_len = 0
-            if best is not None and best is not slot and shared >= MIN_SHARED and shared > own:
+            if (best is not None and best is not slot and shared >= MIN_SHARED and shared > own
+                    and self._continues(best, shared)):
                 self._install(slot, best, upto=shared, event="copy")
         slot.scope, slot.tick, slot.last_used = scope, self._tick, time.time()
         slot.running_since, slot.running_prompt = slot.last_used, len(prompt)
@@ -189,8 +194,10 @@ class SlotManager:
         path = slot_path(directory, name or f"slot-{slot_id}")
         arrays = (entry.arrays if isinstance(entry, Spilled)
                   else self.layout.capture(entry.state, len(entry.tokens)))
+        ring = (entry.ring if isinstance(entry, Spilled)
+                else self.layout.ring_positions(entry.state, len(entry.tokens)))
         t0 = time.perf_counter()
-        size = save_slot(path, self.layout, entry.tokens, arrays, entry.scope, quota)
+        size = save_slot(path, self.layout, entry.tokens, arrays, entry.scope, quota, ring)
         self.record("save")
         return {"id": slot_id, "filename": path.name, "tokens": len(entry.tokens),
                 "bytes": size, "seconds": round(time.perf_counter() - t0, 4)}
@@ -205,10 +212,10 @@ class SlotManager:
                             f"{len(self.resident) - 1}")
         path = slot_path(directory, name)
         t0 = time.perf_counter()
-        tokens, arrays, scope = load_slot(path, self.layout)
+        tokens, arrays, scope, ring = load_slot(path, self.layout)
         self._spill(slot)
         self._tick += 1
-        self._install(slot, Spilled(-1, tokens, len(tokens), arrays=arrays))
+        self._install(slot, Spilled(-1, tokens, len(tokens), arrays=arrays, ring=ring))
         slot.tick, slot.last_used, slot.scope = self._tick, time.time(), scope
         self.record("load")
         self._publish()
@@ -236,12 +243,12 @@ class SlotManager:
         for name, info in files:
             path = directory / name
             try:
-                tokens, arrays, scope = load_slot(path, self.layout)
+                tokens, arrays, scope, ring = load_slot(path, self.layout)
             except SlotFileError as exc:
                 log.warning("not restoring a saved slot: %s", exc)
                 continue
             self._tick += 1
-            entry = Spilled(self._new_id(), tokens, len(tokens), scope, arrays=arrays,
+            entry = Spilled(self._new_id(), tokens, len(tokens), scope, arrays=arrays, ring=ring,
                             nbytes=sum(a.nbytes for a in arrays), tick=-self._tick,
                             last_used=info.st_mtime)
             empty = next((s for s in self.resident if not s.tokens), None)
@@ -286,6 +293,7 @@ class SlotManager:
             self.record("drop")
             return
         entry.arrays = self.layout.capture(slot.state, n)
+        entry.ring = self.layout.ring_positions(slot.state, n)
         if self._keep(entry):
             self.record("spill")
 
@@ -304,6 +312,16 @@ class SlotManager:
         self.spilled.append(entry)
         return True
 
+    def _continues(self, source: Slot | Spilled, n: int) -> bool:
+        """Whether the first n tokens of `source` can be continued from its K/V. A build with
+        KV rings (sliding-window layers) holds only the last W + 4 positions of each local
+        layer: a prefix shorter than the conversation is usable only while the ring still holds
+        the positions its next tokens see (n - W < q < n). Otherwise the copy is refused and the
+        request recomputes its prompt (a miss without a copy)."""
+        ring = (source.ring if isinstance(source, Spilled)
+                else self.layout.ring_positions(source.state, len(source.tokens)))
+        return ring is None or self.layout.make_ring(ring, n).holds_window(n)
+
     def _install(self, slot: Slot, source: Slot | Spilled, *, upto: int | None = None,
                  event: str | None = None) -> None:
         """Make `slot` hold the first `upto` (default: all) tokens of `source`, and record
@@ -312,10 +330,12 @@ class SlotManager:
         n = len(source.tokens) if upto is None else upto
         arrays = (source.arrays if isinstance(source, Spilled)
                   else self.layout.capture(source.state, n))
+        ring = (source.ring if isinstance(source, Spilled)
+                else self.layout.ring_positions(source.state, n))
         if isinstance(source, Spilled) and n < len(source.tokens):
             arrays = [a if e.seq_axis is None else a[:, :, :n]
                       for e, a in zip(self.layout.entries, arrays)]
-        self.layout.install(slot.state, arrays, n)
+        self.layout.install(slot.state, arrays, n, ring)
         slot.tokens = list(source.tokens[:n])
         slot.prompt_len = min(source.prompt_len, n)
         slot.hits = source.hits

@@ -6,7 +6,8 @@ slots p.., keeps pending + the m accepted drafts, and leaves the rest as stale s
 attention mask hides and the next pass overwrites. Nothing is ever copied or rolled back.
 
 A later request whose prompt starts with `kv_tokens` (the next chat turn) prefills only the new
-tokens; anything else simply starts writing at slot 0 again.
+tokens; anything else simply starts writing at slot 0 again. So does a prefix that a KV ring
+(sliding-window layers, model/swa_ring.py) can no longer continue: `ShardPipeline.can_resume`.
 
 Exactness. In the pipeline's fixed decode shape every pass (prefill chunk, verify pass, plain
 greedy step) computes 4 rows, so a token's logits and K/V never depend on the row it sat in or on
@@ -213,6 +214,10 @@ class DecodeSession:
         the last prompt token is always run, since its row gives the first new token. None when
         `should_stop` cancelled it (the cache then holds the chunks written so far)."""
         reuse = min(common_prefix(self.kv_tokens, prompt), len(prompt) - 1)
+        if not self.pipeline.can_resume(self.state, reuse):
+            # A KV ring (sliding-window layers) no longer holds the positions just before a
+            # shorter prefix of a long conversation: later ones took their slots. Recompute.
+            reuse = 0
         stats.reused_prefix_tokens = reuse
         stats.prefill_tokens = len(prompt) - reuse
         self.kv_tokens = self.kv_tokens[:reuse]

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ane_spec.model.config import ModelConfig
 from ane_spec.model.rope import RopeSpec
+from ane_spec.model.swa_ring import ring_rows
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -135,6 +136,9 @@ class BuildOptions(_Strict):
     # How the layers hide slots (shards/layer_graph.py): "select" (exact whatever a row holds)
     # or "additive" (clip and an added mask only). Builds from before it was recorded: select.
     mask_form: Literal["select", "additive"] = "select"
+    # Slots of each sliding-window layer's K/V ring (model/swa_ring.py); 0: those layers keep
+    # full-length states (and builds from before rings, which did not record it).
+    swa_ring: int = Field(0, ge=0)
 
 
 class PackageEntry(_Strict):
@@ -272,7 +276,40 @@ class Manifest(_Strict):
         for r in (self.rope, self.rope_local):
             if r is not None:
                 _check_rope(r, b.max_seq, c.rope_dims)
+        _check_ring(self)
         return self
+
+
+def _check_ring(m: "Manifest") -> None:
+    """The recorded ring size is the one this ane-spec computes for the model and build, and
+    every local layer's states have it (global layers: max_seq)."""
+    c, b = m.model, m.build
+    if b.swa_ring:
+        if not c.has_local_layers:
+            raise ValueError("build.swa_ring is set but the model has no sliding-window layers")
+        want = ring_rows(c.sliding_window, b.t_range[1])
+        if b.swa_ring != want or b.swa_ring >= b.max_seq:
+            raise ValueError(f"build.swa_ring {b.swa_ring} is not the ring this ane-spec keeps "
+                             f"for a window of {c.sliding_window} and passes of up to "
+                             f"{b.t_range[1]} rows ({want} slots, shorter than build.max_seq "
+                             f"{b.max_seq}): rebuild")
+    for shard in m.shards:
+        for spec in shard.states:
+            layer = _state_layer(spec.name)
+            if layer is None or layer >= c.num_layers or len(spec.shape) != 4:
+                continue
+            rows = b.swa_ring if b.swa_ring and c.is_local(layer) else b.max_seq
+            if spec.shape[2] != rows:
+                raise ValueError(f"state '{spec.name}' has {spec.shape[2]} slots; build.swa_ring "
+                                 f"{b.swa_ring} and max_seq {b.max_seq} say {rows}")
+
+
+def _state_layer(name: str) -> int | None:
+    """The layer of a K/V state named layer_{i}_k / layer_{i}_v."""
+    parts = name.split("_")
+    if len(parts) == 3 and parts[0] == "layer" and parts[1].isdigit() and parts[2] in ("k", "v"):
+        return int(parts[1])
+    return None
 
 
 def _check_rope(r: RopeSpec, max_seq: int, rope_dims: int) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ane_spec.model.gguf_file import GGUFModel, optional_tensor_shapes
+from ane_spec.model.swa_ring import kv_state_bytes, ring_rows, uses_ring
 from ane_spec.model.tokenizer import Tokenizer
 
 
@@ -15,7 +16,7 @@ def describe(model: GGUFModel) -> dict[str, Any]:
     types = Counter(t.type_name for t in model.tensors.values())
     matrices = Counter(t.type_name for t in model.tensors.values() if len(t.shape) > 1)
     data = model.tokenizer_data
-    return {
+    return kv_rings(model.config) | {
         "path": str(model.path),
         "file_bytes": model.path.stat().st_size,
         "architecture": {"name": model.config.arch, "title": model.config.architecture.title,
@@ -39,6 +40,17 @@ def describe(model: GGUFModel) -> dict[str, Any]:
             "add_bos": data.add_bos_token,
         },
     }
+
+
+def kv_rings(c: Any, max_t: int = 4) -> dict[str, Any]:
+    """For a model with sliding-window layers: one conversation's K/V bytes at its full context
+    with KV rings on the local layers (what `build` makes) and without."""
+    if not (c.has_local_layers and uses_ring(c.sliding_window, max_t, c.context_length)):
+        return {}
+    ring = ring_rows(c.sliding_window, max_t)
+    return {"kv_state": {"context": c.context_length, "ring": ring,
+                         "bytes_ring": kv_state_bytes(c, c.context_length, ring),
+                         "bytes_full": kv_state_bytes(c, c.context_length, 0)}}
 
 
 def format_description(d: dict[str, Any]) -> str:
@@ -66,6 +78,11 @@ def format_description(d: dict[str, Any]) -> str:
                         f"{[i for i, f in enumerate(c['swa_layers']) if not f]}), local rope "
                         f"base {c['rope_freq_base_swa']:g} unscaled; global rope scale "
                         f"{c['rope_freq_scale']:g}")
+    if "kv_state" in d:
+        k = d["kv_state"]
+        lines.insert(5, f"  K/V per conversation at context {k['context']}: "
+                        f"{k['bytes_ring'] / 2**20:,.1f} MiB with {k['ring']}-slot rings on the "
+                        f"local layers, {k['bytes_full'] / 2**20:,.1f} MiB full-length")
     t = d["tokenizer"]
     lines.append(f"  tokenizer: {t['model']}/{t['pre']}, {t['vocab_size']} tokens, "
                  f"{t['merges']} merges, {t['special_tokens']} special, eog {t['eog_ids']}, "

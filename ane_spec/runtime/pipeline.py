@@ -26,6 +26,7 @@ from ane_spec.manifests.store import LoadedManifest
 from ane_spec.runtime.backend import Backend, LoadedProgram, start_backend
 from ane_spec.runtime.decode_shape import DecodeShape, DecodeShapePolicy
 from ane_spec.runtime.fp16_argmax import NonFiniteLogits, argmax
+from ane_spec.model.swa_ring import RingSlots
 from ane_spec.runtime.head_packages import SplitHead
 from ane_spec.runtime.host_inputs import HostInputs
 
@@ -33,6 +34,9 @@ from ane_spec.runtime.host_inputs import HostInputs
 @dataclass
 class PipelineState:
     shard_states: list[Any]
+    # A ring build's record of the position each local-layer ring slot holds (the same for
+    # every local layer and shard: they are all written by the same passes); None otherwise.
+    ring: RingSlots | None = None
 
 
 class BlockOutput:
@@ -207,7 +211,8 @@ class ShardPipeline:
         self.input_dtype = np.float32 if self.backend.precision == "fp32" else np.float16
         self.host = HostInputs(m.rope, self.max_seq, self.max_t, self.input_dtype,
                                rope_local=m.rope_local,
-                               window=m.model.sliding_window if m.rope_local else 0)
+                               window=m.model.sliding_window if m.rope_local else 0,
+                               ring=m.build.swa_ring)
         self.embeddings = Embeddings.load(self.loaded)
         refusal = q8_block_refusal(m.build.weights, getattr(self.backend, "compute_units", ""))
         if refusal:  # before any package is compiled or loaded
@@ -244,13 +249,21 @@ class ShardPipeline:
         return Tokenizer.from_data(self.tokenizer_data)
 
     def new_state(self) -> PipelineState:
-        return PipelineState([shard.make_state() for shard in self.shards])
+        return PipelineState([shard.make_state() for shard in self.shards], self.host.new_ring())
+
+    def can_resume(self, state: PipelineState, n: int) -> bool:
+        """Whether `state`, holding a conversation's K/V, can go on writing at position n (its
+        first n tokens kept). Always with full-length states; a ring must still hold the
+        positions the row at n sees (`RingSlots.holds_window`): a shorter prefix of a long
+        conversation has lost them to later positions and must be recomputed."""
+        return state.ring is None or state.ring.holds_window(n)
 
     def copy_state(self, state: PipelineState) -> PipelineState:
         """A new state holding the same K/V, value for value: read back after the write, so a
         write that did not land fails here rather than making both sides of a probe equally
         wrong (the probes compare runs that start from copies)."""
         copy = self.new_state()
+        copy.ring = None if state.ring is None else state.ring.copy()
         for k, (shard, src, dst) in enumerate(zip(self.shards, state.shard_states,
                                                   copy.shard_states)):
             for name in shard.state_names:
@@ -298,7 +311,10 @@ class ShardPipeline:
         if not 1 <= len(tokens) <= self.max_t:
             raise AneSpecError(f"a pass takes 1..{self.max_t} tokens, got {len(tokens)}")
         width = self.shape.pass_width(len(tokens)) if width is None else width
-        inputs = self.host.block(position, len(tokens), width)
+        # Records the pass's ring writes before it runs, and keeps them if it fails: the slots
+        # then count as holding the new positions (hidden until written again), never as still
+        # holding what a partial write may have overwritten, so `can_resume` stays safe.
+        inputs = self.host.block(position, len(tokens), width, state.ring)
         padded = [*tokens, *[tokens[-1]] * (width - len(tokens))]
         return self._run(padded, inputs, state, len(tokens), t0)
 
@@ -309,7 +325,8 @@ class ShardPipeline:
         t0 = time.perf_counter()
         if len(tokens) != len(positions):
             raise AneSpecError("every row needs one token and one position")
-        return self._run(tokens, self.host.rows(positions, writes), state, len(tokens), t0)
+        return self._run(tokens, self.host.rows(positions, writes, state.ring), state,
+                         len(tokens), t0)
 
     def _run(self, tokens: Sequence[int], inputs: dict[str, np.ndarray], state: PipelineState,
              rows: int, t0: float) -> BlockOutput:

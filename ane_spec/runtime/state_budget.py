@@ -12,6 +12,10 @@ The ANE figure is an estimate, not a measured rule: the seed's Phi-4-mini run fa
 -14 when about 3 GB of programs were loaded in one process (two shard sets), so resident states
 are counted against ANE_PROCESS_BYTES; one conversation at a time fit there. Host memory bounds
 the slots too (Core ML keeps each MLState in host memory), at HOST_SHARE of the machine's RAM.
+
+A build with KV rings (sliding-window layers, model/swa_ring.py) declares its local layers'
+states [1, kv_heads, W + 4, head_dim]: `state_bytes` reads the specs, so it counts the rings,
+and `full_length_bytes` says what the same build would cost without them.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from ane_spec.manifests.schema import Manifest
+from ane_spec.model.swa_ring import kv_state_bytes
 
 ANE_PROCESS_BYTES = 3 * 10**9
 STATE_ELEMENT_BYTES = 2  # fp16
@@ -34,6 +39,11 @@ def state_bytes(manifest: Manifest) -> int:
                for shard in manifest.shards for spec in shard.states)
 
 
+def full_length_bytes(manifest: Manifest) -> int:
+    """What one conversation's states would take if every layer kept max_seq slots."""
+    return kv_state_bytes(manifest.model, manifest.build.max_seq, 0)
+
+
 def physical_memory_bytes() -> int | None:
     """The machine's RAM (Linux and macOS), or None where sysconf cannot tell."""
     try:
@@ -44,12 +54,13 @@ def physical_memory_bytes() -> int | None:
 
 @dataclass(frozen=True)
 class SlotBudget:
-    state_bytes: int           # one slot, all shards
+    state_bytes: int           # one slot, all shards (KV rings counted as built)
     ane_slots: int             # resident slots within ANE_PROCESS_BYTES
     host_slots: int | None     # resident slots within HOST_SHARE of RAM (None: RAM unknown)
     default_slots: int         # what `serve` uses without --kv-slots
     memory_bytes: int | None
     spill_bytes: int           # default host budget for spilled slots
+    full_length_bytes: int = 0  # one slot without KV rings (= state_bytes without rings)
 
     def to_dict(self) -> dict:
         return asdict(self) | {"ane_budget_bytes": ANE_PROCESS_BYTES}
@@ -57,7 +68,9 @@ class SlotBudget:
     def summary(self) -> str:
         host = ("RAM unknown" if self.host_slots is None else
                 f"{self.host_slots} in 1/{round(1 / HOST_SHARE)} of {_gib(self.memory_bytes)} RAM")
-        return (f"K/V state {_mib(self.state_bytes)} per slot: {self.ane_slots} resident slots "
+        rings = (f" ({_mib(self.full_length_bytes)} without its KV rings)"
+                 if self.full_length_bytes > self.state_bytes else "")
+        return (f"K/V state {_mib(self.state_bytes)} per slot{rings}: {self.ane_slots} resident slots "
                 f"fit the ~{ANE_PROCESS_BYTES / 1e9:.0f} GB per-process ANE budget, {host}; "
                 f"default --kv-slots {self.default_slots}")
 
@@ -69,7 +82,7 @@ def slot_budget(manifest: Manifest, memory_bytes: int | None = None) -> SlotBudg
     host = None if memory is None else int(memory * HOST_SHARE) // per_slot
     default = max(1, min(ane, MAX_DEFAULT_SLOTS, MAX_DEFAULT_SLOTS if host is None else host))
     spill = 0 if memory is None else int(memory * HOST_SHARE)
-    return SlotBudget(per_slot, ane, host, default, memory, spill)
+    return SlotBudget(per_slot, ane, host, default, memory, spill, full_length_bytes(manifest))
 
 
 def _mib(n: int) -> str:

@@ -57,7 +57,9 @@ from ane_spec.manifests.schema import (
     TensorSpec,
 )
 from ane_spec.manifests.store import file_ref, hash_path, load_manifest, write_manifest
+from ane_spec.model.config import ModelConfig
 from ane_spec.model.gguf_file import GGUFModel, open_gguf
+from ane_spec.model.swa_ring import kv_state_bytes, ring_rows, uses_ring
 from ane_spec.shards.embeddings import write_embeddings
 from ane_spec.shards.layer_graph import CORRECT, GraphVariant, Layout, MaskForm
 from ane_spec.shards.layer_weights import finite_vector, layer_tensor_names, layer_weights
@@ -121,6 +123,9 @@ class BuildRequest(BaseModel):
     max_head_mb: float = DEFAULT_MAX_HEAD_MB
     min_weight_cosine: float = DEFAULT_MIN_WEIGHT_COSINE
     name: str | None = None
+    # Sliding-window layers keep a ring of W + MAX_T K/V slots (model/swa_ring.py) instead of
+    # max_seq; False keeps them full-length (the layout before rings, for comparison).
+    swa_ring: bool = True
 
 
 @dataclass
@@ -216,7 +221,7 @@ def _build_into(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
     say(f"hashing {model.path.name}")
     source_sha, tensor_sha = model.content_hashes()
     model.check_unchanged()
-    options = _options(request, ranges, model.config.vocab_size)
+    options = _options(request, ranges, model.config)
     shards = []
     for n, (a, b) in enumerate(ranges):
         label = f"shard {n + 1}/{len(ranges)} layers [{a},{b})"
@@ -296,7 +301,7 @@ def _build_into(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
                     if model.config.has_local_layers else None),
         embeddings=embeddings)
     write_manifest(manifest, tmp)
-    result.summary = quant_summary(manifest)
+    result.summary = quant_summary(manifest) + ring_summary(manifest)
     return result
 
 
@@ -421,9 +426,29 @@ def _check_output(out: Path, force: bool) -> None:
         raise BuildError(f"{out} exists and is not a folder")
 
 
-def _options(r: BuildRequest, ranges: list[tuple[int, int]], vocab_size: int) -> BuildOptions:
+def ring_summary(m: Manifest) -> list[str]:
+    """The saving of a build's KV rings, for the build's report."""
+    ring, c, seq = m.build.swa_ring, m.model, m.build.max_seq
+    if not ring:
+        return []
+    with_ring, full = kv_state_bytes(c, seq, ring), kv_state_bytes(c, seq, 0)
+    return [f"K/V per conversation at max_seq {seq}: {with_ring / 2**20:,.2f} MiB with "
+            f"{ring}-slot rings on the {sum(c.swa_layers)} sliding-window layers "
+            f"({full / 2**20:,.2f} MiB full-length)"]
+
+
+def ring_size(c: ModelConfig, r: BuildRequest) -> int:
+    """The local layers' K/V ring (0: full-length states): only for models with sliding-window
+    layers, when asked, and where the ring is shorter than the context."""
+    if not (r.swa_ring and c.has_local_layers and uses_ring(c.sliding_window, MAX_T, r.max_seq)):
+        return 0
+    return ring_rows(c.sliding_window, MAX_T)
+
+
+def _options(r: BuildRequest, ranges: list[tuple[int, int]], c: ModelConfig) -> BuildOptions:
+    vocab_size = c.vocab_size
     return BuildOptions(topology=[b - a for a, b in ranges], max_seq=r.max_seq, t_range=(1, MAX_T),
-                        default_t=DEFAULT_T,
+                        default_t=DEFAULT_T, swa_ring=ring_size(c, r),
                         layout=r.layout, weights=r.weights,
                         head_chunks=len(head_chunk_bounds(vocab_size, r.head_chunks,
                                                           r.head_argmax)),
@@ -437,6 +462,8 @@ def _fingerprint(options: BuildOptions, r: BuildRequest, what: tuple, tensor_sha
     relevant = {
         "compiler": GRAPH_REVISION, "what": what, "config": model.config.model_dump(),
         "max_seq": options.max_seq, "layout": options.layout, "weights": options.weights,
+        # Only where there is a ring, so every other build's fingerprints stay what they were.
+        **({"swa_ring": options.swa_ring} if options.swa_ring else {}),
         # Under auto the floor picks each tensor's format, so it changes the packages.
         "min_weight_cosine": options.min_weight_cosine if options.weights == "auto" else None,
         "variant": repr(variant),
@@ -505,7 +532,8 @@ def _build_shard(model: GGUFModel, r: BuildRequest, a: int, b: int, tmp: Path, r
                          + (f" ({len(fp16)} tensor(s) fell back to fp16, e.g. '{fp16[0]}')"
                             if fp16 else "")
                          + "; give it fewer layers with --topology")
-    holder = [layer_program(a, layers, model.config, r.max_seq, r.layout, variant)]
+    holder = [layer_program(a, layers, model.config, r.max_seq, r.layout, variant,
+                            ring=ring_size(model.config, r))]
     del layers
     ref, (inputs, outputs, states) = _save_checked(holder, tmp, rel, "layers", r.weights)
     return ShardEntry(layers=(a, b), file=ref, inputs=inputs, outputs=outputs, states=states,

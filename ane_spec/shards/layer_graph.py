@@ -20,8 +20,10 @@ Gemma 3 (flags of its Architecture, so no other family's program changes by one 
 scale is the config's (1/sqrt(key_length)); each branch output is RMS-normed before it is added
 (`post_attention_norm`, `post_ffw_norm`); the gate goes through tanh-GELU; and a local
 (sliding-window) layer reads the `_local` RoPE tables and visibility mask instead of the global
-ones. It keeps the same full-length K/V state: the host's local mask hides the slots that fell
-out of its window (a W-slot ring, issue 30 item 2, would shrink that state; not done here).
+ones. Its K/V state is a ring of W + 4 (rounded to 32) slots written at position mod ring
+(model/swa_ring.py): the shard hands it its own write mask and keep (`BlockInputs.local`), so
+`scatter_rows` and `attention` run unchanged over the ring's slots. Built with swa_ring=False,
+it keeps a full-length state instead, the host's local mask hiding what left its window.
 
 Every op is fp16, softmax included: the Neural Engine computes only fp16, and one fp32-typed op
 sends its layer to the CPU and back (coremltools' typed-execution guide). The build's static

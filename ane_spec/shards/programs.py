@@ -54,11 +54,20 @@ def state_names(layer: int) -> tuple[str, str]:
 
 
 def layer_program(first_layer: int, layers: Sequence[LayerWeights], c: ModelConfig,
-                  max_seq: int, layout: Layout, variant: GraphVariant = CORRECT) -> Program:
-    """A shard of consecutive layers: x, rope, masks in; hidden out; K/V states per layer."""
+                  max_seq: int, layout: Layout, variant: GraphVariant = CORRECT,
+                  ring: int = 0) -> Program:
+    """A shard of consecutive layers: x, rope, masks in; hidden out; K/V states per layer.
+
+    `ring` > 0 (models with sliding-window layers): each local layer's K/V state is a ring of
+    `ring` slots (model/swa_ring.py) instead of max_seq. Its visibility and write masks then
+    ride after the global ones along the slot axis: attn_mask [1, 1, T, S + R], kv_write_mask
+    [1, 1, S + R, T] (host_inputs.py), sliced once per shard like the stacked RoPE tables."""
     t = get_new_symbol()
     fp16 = types.fp16
     kv_shape = (1, c.num_kv_heads, max_seq, c.head_dim)
+    ring_shape = (1, c.num_kv_heads, ring, c.head_dim)
+    if ring and not c.has_local_layers:
+        raise ValueError("a KV ring is for models with sliding-window layers")
     specs: dict[str, object] = {
         HIDDEN_IN: mb.TensorSpec(hidden_shape(c.hidden_size, t, layout), dtype=fp16),
         COS: mb.TensorSpec((t, c.rope_dims // 2), dtype=fp16),
@@ -76,27 +85,33 @@ def layer_program(first_layer: int, layers: Sequence[LayerWeights], c: ModelConf
         specs |= {COS: mb.TensorSpec((t, 2 * half), dtype=fp16),
                   SIN: mb.TensorSpec((t, 2 * half), dtype=fp16),
                   ATTN_MASK: mb.TensorSpec((1, 2, t, max_seq), dtype=fp16)}
+        if ring:
+            specs |= {ATTN_MASK: mb.TensorSpec((1, 1, t, max_seq + ring), dtype=fp16),
+                      KV_WRITE_MASK: mb.TensorSpec((1, 1, max_seq + ring, t), dtype=fp16)}
     for n in range(len(layers)):
+        shape = ring_shape if ring and c.is_local(first_layer + n) else kv_shape
         for name in state_names(first_layer + n):
-            specs[name] = mb.StateTensorSpec(kv_shape, dtype=fp16)
+            specs[name] = mb.StateTensorSpec(shape, dtype=fp16)
 
     def body(inputs: dict) -> list:
-        write = inputs[KV_WRITE_MASK]
-        keep = mb.sub(x=np.float16(1.0), y=mb.reduce_sum(x=write, axes=[3], keep_dims=True),
-                      name="kv_keep")
         additive = variant.mask_form == "additive"
-        if c.has_local_layers:
-            io = _split_local_inputs(inputs, write, keep, c,
-                                     [c.is_local(first_layer + n) for n in range(len(layers))],
-                                     additive)
+        local = [c.is_local(first_layer + n) for n in range(len(layers))]
+        if ring:
+            io = _split_ring_inputs(inputs, c, max_seq, ring, local, additive)
         else:
-            # The host marks hidden slots with a negative value (host_inputs.MASK_VALUE),
-            # visible ones with 0; the select form selects on it, the additive form adds it
-            # (and has no greater_equal: it is made only of ops peers ran on the ANE).
-            visible = None if additive else mb.greater_equal(
-                x=inputs[ATTN_MASK], y=np.float16(0.0), name="attn_visible")
-            io = BlockInputs(cos=inputs[COS], sin=inputs[SIN], attn_mask=inputs[ATTN_MASK],
-                             visible=visible, write=write, keep=keep)
+            write = inputs[KV_WRITE_MASK]
+            keep = mb.sub(x=np.float16(1.0), y=mb.reduce_sum(x=write, axes=[3], keep_dims=True),
+                          name="kv_keep")
+            if c.has_local_layers:
+                io = _split_local_inputs(inputs, write, keep, c, local, additive)
+            else:
+                # The host marks hidden slots with a negative value (host_inputs.MASK_VALUE),
+                # visible ones with 0; the select form selects on it, the additive form adds
+                # it (and has no greater_equal: it is made only of ops peers ran on the ANE).
+                visible = None if additive else mb.greater_equal(
+                    x=inputs[ATTN_MASK], y=np.float16(0.0), name="attn_visible")
+                io = BlockInputs(cos=inputs[COS], sin=inputs[SIN], attn_mask=inputs[ATTN_MASK],
+                                 visible=visible, write=write, keep=keep)
         x = inputs[HIDDEN_IN]
         for n, w in enumerate(layers):
             i = first_layer + n
@@ -131,6 +146,43 @@ def _split_local_inputs(inputs: dict, write: Var, keep: Var, c: ModelConfig,
 
     local_io = part(1, "_local") if any(local) else None
     if all(local):  # no global layer reads the top-level fields: they may be the local ones
+        return replace(local_io, local=local_io)
+    io = part(0, "_global")
+    io.local = local_io
+    return io
+
+
+def _split_ring_inputs(inputs: dict, c: ModelConfig, max_seq: int, ring: int,
+                       local: list[bool], additive: bool) -> BlockInputs:
+    """The global inputs (RoPE columns 0..rot/2, mask and write columns/rows 0..S) and the
+    ring's (the local RoPE, slots S..S+R), each with its own keep = 1 - rowsum(write), sliced
+    once per shard; only the kinds some layer of the shard has."""
+    half = c.rope_dims // 2
+
+    def part(kind: int, suffix: str) -> BlockInputs:
+        lo, hi = (0, max_seq) if kind == 0 else (max_seq, max_seq + ring)
+
+        def cols(x: Var, name: str) -> Var:
+            return mb.slice_by_index(x=x, begin=[0, kind * half], end=[0, (kind + 1) * half],
+                                     begin_mask=[True, False], end_mask=[True, False],
+                                     name=name + suffix)
+
+        mask = mb.slice_by_index(x=inputs[ATTN_MASK], begin=[0, 0, 0, lo], end=[0, 0, 0, hi],
+                                 begin_mask=[True, True, True, False],
+                                 end_mask=[True, True, True, False], name="attn_mask" + suffix)
+        write = mb.slice_by_index(x=inputs[KV_WRITE_MASK], begin=[0, 0, lo, 0],
+                                  end=[0, 0, hi, 0], begin_mask=[True, True, False, True],
+                                  end_mask=[True, True, False, True],
+                                  name="kv_write_mask" + suffix)
+        keep = mb.sub(x=np.float16(1.0), y=mb.reduce_sum(x=write, axes=[3], keep_dims=True),
+                      name="kv_keep" + suffix)
+        return BlockInputs(cos=cols(inputs[COS], "rope_cos"), sin=cols(inputs[SIN], "rope_sin"),
+                           attn_mask=mask, write=write, keep=keep,
+                           visible=None if additive else mb.greater_equal(
+                               x=mask, y=np.float16(0.0), name="attn_visible" + suffix))
+
+    local_io = part(1, "_local") if any(local) else None
+    if all(local):
         return replace(local_io, local=local_io)
     io = part(0, "_global")
     io.local = local_io
