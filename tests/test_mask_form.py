@@ -162,3 +162,32 @@ def test_the_margin_of_the_added_mask_in_fp16() -> None:
     beaten[2, :10], beaten[2, 12] = -16000, 16800  # 32800 above the row's visible maximum
     add = _mask_then_softmax(True, "fp16", beaten, mask)
     assert add[2, 12] > 0.5 and _mask_then_softmax(False, "fp16", beaten, mask)[2, 12] == 0
+
+
+def test_a_gemma3_ring_build_agrees_bitwise_in_both_forms(tmp_path: Path) -> None:
+    """The sliding-window layers' own mask and ring inputs take the form too: an additive gemma3
+    build (local rings of 32 slots, window 8) holds no select/equal/greater_equal and gives the
+    select build's bits on prompts that wrap the ring."""
+    from ane_spec.model.synthetic import preset, write_synthetic_gguf
+
+    gguf = write_synthetic_gguf(tmp_path / "g.gguf", preset("gemma3-tiny", embed_std=0.25,
+                                                            branch_scale=1.0, seed=3))
+    pipes = {}
+    for form in ("select", "additive"):
+        build(gguf, tmp_path / form, BuildRequest(topology="2,2", max_seq=S, mask_form=form))
+        loaded = load_manifest(tmp_path / form)
+        assert loaded.manifest.build.swa_ring > 0
+        for shard in loaded.manifest.shards:
+            ops = set(read_package_facts(loaded.path(shard.file)).ops)
+            assert (PEER_UNPROVEN & ops) == (set() if form == "additive" else PEER_UNPROVEN)
+        pipes[form] = open_pipeline(tmp_path / form, "mil", "fp16")[1]
+    rng = np.random.default_rng(7)
+    for prompt in (rng.integers(0, pipes["select"].config.vocab_size, n).tolist()
+                   for n in (45, S - 4)):  # past the 32-slot ring: it wraps
+        states = {form: p.new_state() for form, p in pipes.items()}
+        for start in range(0, len(prompt), 4):
+            chunk = prompt[start:start + 4]
+            out = {form: p.run(chunk, start, states[form]) for form, p in pipes.items()}
+            for r in range(len(chunk)):
+                a, b = out["select"].row_native(r), out["additive"].row_native(r)
+                assert np.isfinite(a).all() and np.array_equal(a, b), (prompt, start, r)
