@@ -136,6 +136,7 @@ def cmd_build(args: argparse.Namespace) -> int:
                            head_argmax=args.head_argmax, max_shard_mb=args.max_shard_mb,
                            max_head_mb=args.max_head_mb,
                            min_weight_cosine=args.min_weight_cosine,
+                           residual_scale=args.residual_scale,
                            force_ane_limits=args.force_ane_limits,
                            mask_form=args.mask_form,
                            swa_ring=not args.no_swa_ring)
@@ -583,6 +584,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-weight-cosine", type=float, default=DEFAULT_MIN_WEIGHT_COSINE,
                    help="per-tensor cosine floor against the GGUF values: auto picks the first "
                         "format that reaches it; a forced format below it fails")
+    p.add_argument("--residual-scale", default="auto", metavar="auto|off|2^K",
+                   help="scale the residual stream by a power of two folded into the weights, "
+                        "so it stays inside fp16: auto (default) measures activations with the "
+                        "fp32 reference on a few prompts and scales where the margin under "
+                        "65504 is under 8x; off: no calibration, no scaling; 2^K: that factor "
+                        "(e.g. 2^-3)")
     p.add_argument("--force", action="store_true",
                    help="replace an existing output folder (unchanged shards are reused)")
     p.add_argument("--force-ane-limits", action="store_true",

@@ -23,7 +23,7 @@ CORE_ML_PROBES = {"neural-engine", "synthetic-t4 d1024 (Core ML)", "synthetic-t4
 CORE_ML_BUILD = {"residency", "cold-jit", "warm-latency", "peak-memory", "ane-vs-cpu"}
 CORE_ML_ONLY = CORE_ML_PROBES | CORE_ML_BUILD
 MODEL_CHECKS = {"row-invariance", "overflow", "block", "drift", "parity"}
-BUILD_FIGURES = {"kv-slots"}
+BUILD_FIGURES = {"kv-slots", "activation-range"}
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +81,12 @@ def test_with_a_build_json_and_markdown(build_dir: Path, tmp_path: Path, capsys)
     assert checks["kv-slots"]["status"] == "passed"
     assert checks["kv-slots"]["details"]["ane_slots"] > 100
     assert "resident slots fit" in checks["kv-slots"]["summary"]
+    # The build's calibration: the conditioned tiny model's stream is far inside fp16.
+    act = checks["activation-range"]
+    assert act["status"] == "passed" and act["summary"].startswith("residual scale: 2^0 (auto)")
+    assert act["details"]["calibration"]["residual_margin"] > 100
     # decode-shape (mixed, no Core ML here) and argmax-head (a logits build) skip too.
-    assert out["counts"] == {"passed": 10, "failed": 0, "skipped": 11}
+    assert out["counts"] == {"passed": 11, "failed": 0, "skipped": 11}
 
     markdown = report.read_text()
     assert markdown.startswith("## ane-spec doctor") and "| parity | passed |" in markdown

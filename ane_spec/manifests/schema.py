@@ -190,6 +190,41 @@ class EmbeddingsEntry(_Strict):
         return self
 
 
+class LayerActivations(_Strict):
+    """Largest |value| the fp32 reference reached in one layer on the calibration prompts,
+    unscaled (model/activation_range.py)."""
+
+    residual: float = Field(ge=0.0)     # the residual stream, after each add into it
+    ffn_up: float = Field(ge=0.0)       # gate and up outputs
+    ffn_down_in: float = Field(ge=0.0)  # silu(gate) * up
+
+
+class ActivationCalibration(_Strict):
+    prompts: Count
+    tokens: Count
+    seconds: float = Field(ge=0.0)
+    embedding: float = Field(ge=0.0)
+    layers: list[LayerActivations]
+    # fp16's maximum over the peak as the program holds it: the stream's after scaling, the
+    # FFN intermediates' (not scaled by the fold). Below 1 means the fp16 program overflows on
+    # the calibration prompts. None: unbounded (an all-zero activation).
+    residual_margin: float | None = Field(None, gt=0.0)
+    ffn_margin: float | None = Field(None, gt=0.0)
+
+
+class ResidualScale(_Strict):
+    """`--residual-scale`: the residual stream is multiplied by 2**log2_factor, folded into the
+    embeddings and the weights that add into the stream (shards/residual_scale.py)."""
+
+    setting: str = Field(pattern=r"^(auto|off|2\^-?\d+)$")
+    log2_factor: int = Field(ge=-12, le=12)
+    stream_eps: float = Field(ge=0.0)  # eps * 4**log2_factor, what the stream's norms use
+    # Per package ("embeddings", a shard's path): stored values the fold could not scale
+    # exactly (pushed into fp16's subnormals).
+    inexact_values: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    calibration: ActivationCalibration | None = None  # None with `off`
+
+
 class GateResult(_Strict):
     passed: bool
     backend: str
@@ -226,6 +261,9 @@ class Manifest(_Strict):
     # decode shape (`mil-fp16-mixed`), filled by probes and read by the mixed shape's exactness
     # guard. In the fixed shape it measures 0 on a row-invariant backend.
     drift: dict[str, Annotated[float, Field(ge=0.0)]] = Field(default_factory=dict)
+    # None: built before residual scaling existed (or by a build that recorded none); the
+    # stream is then unscaled.
+    residual_scale: ResidualScale | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -277,6 +315,11 @@ class Manifest(_Strict):
             if r is not None:
                 _check_rope(r, b.max_seq, c.rope_dims)
         _check_ring(self)
+        rs = self.residual_scale
+        if rs is not None and rs.calibration is not None and (
+                len(rs.calibration.layers) != c.num_layers):
+            raise ValueError(f"residual_scale.calibration has {len(rs.calibration.layers)} "
+                             f"layers; the model has {c.num_layers}")
         return self
 
 

@@ -107,6 +107,8 @@ def describe_build(folder: Path) -> dict[str, Any]:
             "weights": m.build.weights, "min_weight_cosine": m.build.min_weight_cosine,
             "mask_form": m.build.mask_form,
             "formats": dict(sorted(formats.items())), "embeddings": m.embeddings.format,
+            "residual_scale": (None if m.residual_scale is None
+                               else m.residual_scale.model_dump()),
             "packages": packages}
 
 
@@ -116,9 +118,19 @@ def format_build(d: dict[str, Any]) -> str:
              + (", ".join(f"{f} x{n}" for f, n in d["formats"].items())
                 or "no per-tensor record (built before per-tensor formats)")
              + f"; host embeddings {d['embeddings']}; mask form {d['mask_form']}"]
+    lines += ["  " + line for line in _residual_lines(d.get("residual_scale"))]
     for path, p in d["packages"].items():
         lines.append(f"  {path} ({p['bytes'] / 2**20:,.1f} MiB)")
         for name, t in p["tensors"].items():
             lines.append(f"    {name:<32} {t['format']:<13} cos {t['cosine']:.6f}  "
                          f"{t['reason']}")
     return "\n".join(lines)
+
+
+def _residual_lines(recorded: dict[str, Any] | None) -> list[str]:
+    # The wording is shared with build and doctor (manifests/residual_report.py);
+    # `inspect` of a build reads them through it, as describe_build reads the manifest.
+    from ane_spec.manifests.schema import ResidualScale
+    from ane_spec.manifests.residual_report import describe
+
+    return describe(None if recorded is None else ResidualScale.model_validate(recorded))

@@ -65,6 +65,10 @@ def apply_rope_norm(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
 
 
 WeightTransform = Callable[[str, np.ndarray], np.ndarray]
+# Sees intermediate activations: (what, layer, tensor). `what` is "embedding" (layer -1),
+# "residual" (the stream after each add into it), "ffn_up" (gate and up outputs) or
+# "ffn_down_in" (silu(gate) * up). Activation calibration (activation_range.py) uses it.
+Observer = Callable[[str, int, torch.Tensor], None]
 
 
 class Weights:
@@ -114,8 +118,10 @@ class ReferenceModel:
 
     def __init__(self, gguf: GGUFModel, *, context_window: int = 4096,
                  dtype: torch.dtype = torch.float32, materialize: bool | None = None,
-                 weight_transform: WeightTransform | None = None):
+                 weight_transform: WeightTransform | None = None,
+                 observer: Observer | None = None):
         self.gguf = gguf
+        self.observe: Observer = observer or (lambda _what, _layer, _x: None)
         self.config = c = gguf.config
         self.context_window = context_window
         self.rope = gguf.rope_spec(context_window)
@@ -166,6 +172,7 @@ class ReferenceModel:
         if self.arch.embed_scale:
             # gemma3.cpp: ggml_scale(inp, sqrtf(n_embd)), the fp32-rounded root.
             h = h * float(np.float32(math.sqrt(c.hidden_size)))
+        self.observe("embedding", -1, h)
         for i in range(c.num_layers):
             local = c.is_local(i)
             cos, sin = tables[local]
@@ -206,17 +213,24 @@ class ReferenceModel:
         if self.arch.post_norms:
             o = rms_norm(o, w(f"blk.{i}.post_attention_norm.weight"), c.rms_eps)
         h = h + o
+        self.observe("residual", i, h)
 
         f = rms_norm(h, w(f"blk.{i}.ffn_norm.weight"), c.rms_eps)
         if self.arch.fused_gate_up:
             g, u = (f @ w(f"blk.{i}.ffn_up.weight").T).split(c.ffn_size, dim=-1)
         else:
             g, u = f @ w(f"blk.{i}.ffn_gate.weight").T, f @ w(f"blk.{i}.ffn_up.weight").T
+        self.observe("ffn_up", i, g)
+        self.observe("ffn_up", i, u)
         act = F.silu(g) if self.arch.ffn_activation == "silu" else F.gelu(g, approximate="tanh")
-        down = (act * u) @ w(f"blk.{i}.ffn_down.weight").T
+        act = act * u
+        self.observe("ffn_down_in", i, act)
+        down = act @ w(f"blk.{i}.ffn_down.weight").T
         if self.arch.post_norms:
             down = rms_norm(down, w(f"blk.{i}.post_ffw_norm.weight"), c.rms_eps)
-        return h + down
+        h = h + down
+        self.observe("residual", i, h)
+        return h
 
     def _qkv(self, i: int, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c, w = self.config, self.w

@@ -34,6 +34,8 @@ from typing import Any, Literal
 
 from ane_spec.ane_limits import MIXED_SHAPE_NOTE, MIXED_SHAPE_SOURCE, SMALL_MAC_BYTES
 from ane_spec.manifests.schema import HeadEntry
+from ane_spec.manifests.residual_report import describe as describe_residual_scale
+from ane_spec.manifests.residual_report import margin_problems
 from ane_spec.manifests.store import LoadedManifest, load_manifest
 from ane_spec.peak_memory import peak_rss_bytes
 from ane_spec.probes.report import GateReport
@@ -690,6 +692,18 @@ def check_kv_slots(run: DoctorRun) -> Verdict:
     return Verdict(status, budget.summary(), budget.to_dict())
 
 
+def check_activation_range(run: DoctorRun) -> Verdict:
+    """The build's residual scale and the fp16 margins its calibration measured (build time,
+    fp32 reference): failed where the calibration prompts already overflow fp16 as the program
+    holds them; skipped for builds that recorded no calibration."""
+    rs = run.loaded.manifest.residual_scale
+    if rs is None or rs.calibration is None:
+        raise Skip(describe_residual_scale(rs)[-1].strip())
+    problems = margin_problems(rs)
+    summary = "; ".join(line.strip() for line in describe_residual_scale(rs))
+    return Verdict("failed" if problems else "passed", summary, rs.model_dump())
+
+
 CHECKS: list[tuple[str, CheckFn]] = [
     ("environment", check_environment),
     ("neural-engine", check_neural_engine),
@@ -710,6 +724,7 @@ CHECKS: list[tuple[str, CheckFn]] = [
     ("argmax-head", check_argmax_head),
     ("peak-memory", check_peak_memory),
     ("kv-slots", check_kv_slots),
+    ("activation-range", check_activation_range),
     ("ane-vs-cpu", check_ane_vs_cpu),  # loads a CPU_ONLY copy: after peak-memory
     ("decode-shape", check_decode_shape_placement),  # reads ane-vs-cpu's CPU_ONLY timings
 ]

@@ -56,6 +56,7 @@ from ane_spec.manifests.schema import (
     SourceInfo,
     TensorSpec,
 )
+from ane_spec.manifests.residual_report import describe as describe_residual_scale
 from ane_spec.manifests.store import file_ref, hash_path, load_manifest, write_manifest
 from ane_spec.model.config import ModelConfig
 from ane_spec.model.gguf_file import GGUFModel, open_gguf
@@ -63,6 +64,13 @@ from ane_spec.model.swa_ring import kv_state_bytes, ring_rows, uses_ring
 from ane_spec.shards.embeddings import write_embeddings
 from ane_spec.shards.layer_graph import CORRECT, GraphVariant, Layout, MaskForm
 from ane_spec.shards.layer_weights import finite_vector, layer_tensor_names, layer_weights
+from ane_spec.shards.residual_scale import (
+    FoldCount,
+    decide as decide_residual_scale,
+    fold_into_layer,
+    parse_residual_scale,
+    stream_eps,
+)
 from ane_spec.shards.output_dir import OutputLock, building_dir, recover, swap_into_place
 from ane_spec.shards.programs import (
     DEFAULT_T,
@@ -122,6 +130,9 @@ class BuildRequest(BaseModel):
     # Over it the LM head is split into separate packages of whole chunks (topology.py).
     max_head_mb: float = DEFAULT_MAX_HEAD_MB
     min_weight_cosine: float = DEFAULT_MIN_WEIGHT_COSINE
+    # auto: calibrate activations and scale the residual stream by 2^k where fp16's margin is
+    # small; off: no calibration, no scaling; 2^K: that factor (residual_scale.py).
+    residual_scale: str = "auto"
     name: str | None = None
     # Sliding-window layers keep a ring of W + MAX_T K/V slots (model/swa_ring.py) instead of
     # max_seq; False keeps them full-length (the layout before rings, for comparison).
@@ -222,20 +233,26 @@ def _build_into(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
     source_sha, tensor_sha = model.content_hashes()
     model.check_unchanged()
     options = _options(request, ranges, model.config)
+    residual = decide_residual_scale(model, request.residual_scale, say)
+    log2 = residual.log2_factor
+    say(describe_residual_scale(residual)[0])
     shards = []
     for n, (a, b) in enumerate(ranges):
         label = f"shard {n + 1}/{len(ranges)} layers [{a},{b})"
         fp = _fingerprint(options, request, ("layers", a, b), tensor_sha, model,
                           [n for i in range(a, b) for n in layer_tensor_names(model.config, i)],
-                          variant)
+                          variant, log2)
         rel = f"shards/layers_{a:02d}_{b:02d}.mlpackage"
         entry = _reuse(previous, fp, rel, tmp, ShardEntry)
         if entry is not None:
             say(f"{label}: unchanged, reused")
             result.reused.append(rel)
+            residual.inexact_values[rel] = previous.inexact.get(rel, 0)
         else:
             t0 = time.monotonic()
-            entry = _build_shard(model, request, a, b, tmp, rel, fp, variant)
+            fold = FoldCount()
+            entry = _build_shard(model, request, a, b, tmp, rel, fp, variant, log2, fold)
+            residual.inexact_values[rel] = fold.inexact
             say(f"{label}: built in {time.monotonic() - t0:.1f}s, "
                 f"{entry.file.bytes / 2**20:,.1f} MiB, {_format_counts(entry.quant)}, worst "
                 f"weight cosine {entry.quant.worst_cosine:.6f}")
@@ -256,7 +273,8 @@ def _build_into(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
         # A package of the whole head keeps the fingerprint and name it had before heads could
         # be split: an unchanged build reuses it.
         fp = _fingerprint(options, request, ("head",) if whole else ("head", first, last),
-                          tensor_sha, model, ["output_norm.weight", model.lm_head.name], variant)
+                          tensor_sha, model, ["output_norm.weight", model.lm_head.name], variant,
+                          log2)
         rel = "head.mlpackage" if whole else f"head_vocab_{start:06d}_{end:06d}.mlpackage"
         label = ("LM head" if whole else
                  f"LM head package {k + 1}/{len(head_plan)} vocabulary [{start},{end})")
@@ -267,7 +285,7 @@ def _build_into(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
         else:
             t0 = time.monotonic()
             head = _build_head(model, request, tmp, rel, fp, chunks, first, last,
-                               None if request.force_ane_limits else request.max_head_mb)
+                               None if request.force_ane_limits else request.max_head_mb, log2)
             count = len(head.chunks)
             say(f"{label}: {count} chunk{'s' if count > 1 else ''} built in "
                 f"{time.monotonic() - t0:.1f}s, "
@@ -280,7 +298,9 @@ def _build_into(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
     say("embeddings and tokenizer")
     embd = model.tensor("token_embd.weight")
     check_tensor_finite(embd)
-    fmt, files = write_embeddings(embd, tmp / "embeddings")
+    fold = FoldCount()
+    fmt, files = write_embeddings(embd, tmp / "embeddings", log2, fold)
+    residual.inexact_values["embeddings"] = fold.inexact
     embeddings = EmbeddingsEntry(format=fmt, vocab_size=model.config.vocab_size,
                                  dim=model.config.hidden_size,
                                  files={k: file_ref(tmp, p) for k, p in files.items()})
@@ -299,9 +319,10 @@ def _build_into(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
         rope=model.rope_spec(request.max_seq), shards=shards, heads=heads,
         rope_local=(model.rope_spec(request.max_seq, local=True)
                     if model.config.has_local_layers else None),
-        embeddings=embeddings)
+        embeddings=embeddings, residual_scale=residual)
     write_manifest(manifest, tmp)
-    result.summary = quant_summary(manifest) + ring_summary(manifest)
+    result.summary = (quant_summary(manifest) + ring_summary(manifest)
+                      + describe_residual_scale(residual))
     return result
 
 
@@ -378,6 +399,7 @@ def _validate(model: GGUFModel, r: BuildRequest) -> list[tuple[int, int]]:
     if refusals and not r.force_ane_limits:
         raise BuildError(f"{'; '.join(refusals)}. Lower it, or pass {FORCE_ANE_LIMITS_FLAG} to "
                          "build it anyway (it will not run on the Neural Engine)")
+    parse_residual_scale(r.residual_scale)
     if not 0 < r.min_weight_cosine <= 1:
         raise BuildError(f"--min-weight-cosine {r.min_weight_cosine} must be in (0, 1]")
     ranges = parse_topology(r.topology, c.num_layers)
@@ -457,7 +479,8 @@ def _options(r: BuildRequest, ranges: list[tuple[int, int]], c: ModelConfig) -> 
 
 
 def _fingerprint(options: BuildOptions, r: BuildRequest, what: tuple, tensor_sha: dict[str, str],
-                 model: GGUFModel, tensors: list[str], variant: GraphVariant) -> str:
+                 model: GGUFModel, tensors: list[str], variant: GraphVariant,
+                 residual_log2: int = 0) -> str:
     """Everything a package depends on. Equal fingerprints mean an identical package."""
     relevant = {
         "compiler": GRAPH_REVISION, "what": what, "config": model.config.model_dump(),
@@ -471,6 +494,8 @@ def _fingerprint(options: BuildOptions, r: BuildRequest, what: tuple, tensor_sha
         "rope": model.rope_spec(r.max_seq).model_dump() if what[0] == "layers" else None,
         "tensors": {t: tensor_sha[t] for t in tensors},
     }
+    if residual_log2:  # absent when unscaled: earlier builds' fingerprints stay valid
+        relevant["residual_log2"] = residual_log2
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()
 
 
@@ -480,6 +505,7 @@ class PreviousBuild:
 
     root: Path
     entries: dict[str, ShardEntry | HeadEntry]
+    inexact: dict[str, int] = field(default_factory=dict)  # residual fold, per package path
 
 
 def _previous_build(out: Path) -> PreviousBuild | None:
@@ -491,7 +517,8 @@ def _previous_build(out: Path) -> PreviousBuild | None:
         return None
     entries: dict[str, ShardEntry | HeadEntry] = {s.fingerprint: s for s in m.shards}
     entries.update({h.fingerprint: h for h in m.heads})
-    return PreviousBuild(out, entries)
+    inexact = m.residual_scale.inexact_values if m.residual_scale is not None else {}
+    return PreviousBuild(out, entries, dict(inexact))
 
 
 def _reuse(previous: PreviousBuild | None, fp: str, rel: str, tmp: Path, kind: type):
@@ -518,10 +545,18 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 
 def _build_shard(model: GGUFModel, r: BuildRequest, a: int, b: int, tmp: Path, rel: str,
-                 fp: str, variant: GraphVariant) -> ShardEntry:
+                 fp: str, variant: GraphVariant, residual_log2: int = 0,
+                 fold: FoldCount | None = None) -> ShardEntry:
     choices: dict[str, TensorChoice] = {}
-    layers = [layer_weights(model, i, r.weights, choices, r.min_weight_cosine)
-              for i in range(a, b)]
+    c = model.config
+    layers = []
+    for i in range(a, b):
+        # The cosines (choices) are of the unscaled weights: the fold scales by 2^k afterwards.
+        lw, n = fold_into_layer(layer_weights(model, i, r.weights, choices, r.min_weight_cosine),
+                                c.arch, c.rms_eps, residual_log2, i)
+        layers.append(lw)
+        if fold is not None:
+            fold.add(n)
     quant = _quant_stats(r, choices)
     stored = sum(w.nbytes for lw in layers
                  for w in (lw.qkv, lw.attn_output, lw.ffn_up, lw.ffn_down))
@@ -542,10 +577,10 @@ def _build_shard(model: GGUFModel, r: BuildRequest, a: int, b: int, tmp: Path, r
 
 def _build_head(model: GGUFModel, r: BuildRequest, tmp: Path, rel: str, fp: str,
                 all_chunks: list[tuple[int, int]], first: int, last: int,
-                max_mb: float | None) -> HeadEntry:
+                max_mb: float | None, residual_log2: int = 0) -> HeadEntry:
     """The head package computing chunks first..last-1 of `all_chunks` (all of them, or one
     contiguous run of a head split over --max-head-mb); refused if its converted weights are
-    over `max_mb` (None: no budget)."""
+    over `max_mb` (None: no budget). `residual_log2`: the stream's scale (residual_scale.py)."""
     c = model.config
     t = model.lm_head
     chunks = all_chunks[first:last]
@@ -570,7 +605,9 @@ def _build_head(model: GGUFModel, r: BuildRequest, tmp: Path, rel: str, fp: str,
                             f"'{fallback[0]}')" if fallback else "")
                          + f"; use more --head-chunks, or pass {FORCE_ANE_LIMITS_FLAG}")
     norm = finite_vector(model.tensor("output_norm.weight"))
-    holder = [head_program(norm, weights, c, r.layout, r.head_argmax, first_chunk=first)]
+    # output_norm reads the (scaled) stream: eps * s^2; its weight and the head are unchanged.
+    holder = [head_program(norm, weights, c, r.layout, r.head_argmax, first_chunk=first,
+                           eps=stream_eps(c.rms_eps, residual_log2) if residual_log2 else None)]
     del weights
     ref, (inputs, outputs, _) = _save_checked(holder, tmp, rel, "head", r.weights)
     return HeadEntry(chunks=chunks, argmax=r.head_argmax, file=ref, inputs=inputs,
@@ -597,8 +634,9 @@ def build_logits_head(gguf_path: str | os.PathLike[str], manifest: Manifest,
     # A scratch package, never reused: the fingerprint only has to be well formed. It is one
     # package whatever the build's split: it only has to give the same logits per chunk.
     chunks = head_chunk_bounds(model.config.vocab_size, len(manifest.head_chunks), False)
+    log2 = manifest.residual_scale.log2_factor if manifest.residual_scale is not None else 0
     head = _build_head(model, request, folder, "logits-head.mlpackage", "0" * 64, chunks, 0,
-                       len(chunks), None)
+                       len(chunks), None, log2)
     if head.chunks != manifest.head_chunks:
         raise BuildError("the logits head's chunks differ from the build's")
     shutil.rmtree(_converter_tmp(folder), ignore_errors=True)

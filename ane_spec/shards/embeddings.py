@@ -8,6 +8,10 @@ a time: the host table stays ~1.06 bytes per weight, as small as the Q8_0 build'
 fp16's (Phi-4-mini: 650 MB, not 1.2 GB), and Q8_0's error (step/sqrt(12) with 32-value blocks)
 is far below the 4-6-bit source's own, so the lookup adds nothing a reader could measure. The
 float types (F32, F16, BF16) stay fp16 as before: nothing to gain from blocks there.
+
+With a residual scale 2^k (residual_scale.py) the rows are stored times 2^k: the Q8_0 scales or
+the fp16 values are scaled, never the int8 data, so a row is the same bits apart from its
+exponent wherever fp16 keeps it normal.
 """
 
 from __future__ import annotations
@@ -18,14 +22,25 @@ import numpy as np
 
 from ane_spec.model.gguf_file import Tensor
 from ane_spec.model.quant import q8_0_blocks, q8_0_quantize
+from ane_spec.shards.residual_scale import FoldCount, scale_fp16
 
 ROWS_PER_CHUNK = 16384
 
 
-def write_embeddings(t: Tensor, folder: Path) -> tuple[str, dict[str, Path]]:
-    """Write the table as .npy files in row chunks; returns (format, role -> path)."""
+def write_embeddings(t: Tensor, folder: Path, log2_factor: int = 0,
+                     fold: FoldCount | None = None) -> tuple[str, dict[str, Path]]:
+    """Write the table as .npy files in row chunks, times 2^log2_factor; returns (format,
+    role -> path). `fold` counts the values scaled and those fp16 could not scale exactly."""
     folder.mkdir(parents=True, exist_ok=True)
     vocab, dim = t.shape
+    fold = fold if fold is not None else FoldCount()
+
+    def scaled(values: np.ndarray) -> np.ndarray:
+        if log2_factor == 0:
+            return values
+        out, n = scale_fp16(values.astype(np.float16), log2_factor, t.name)
+        fold.add(n)
+        return out
     if t.is_q8_0 or not t.is_float:
         qs_path, scales_path = folder / "embed_qs.npy", folder / "embed_scales.npy"
         qs_out = np.lib.format.open_memmap(qs_path, "w+", np.int8, (vocab, dim))
@@ -35,14 +50,14 @@ def write_embeddings(t: Tensor, folder: Path) -> tuple[str, dict[str, Path]]:
             for r0 in range(0, vocab, ROWS_PER_CHUNK):
                 r1 = min(vocab, r0 + ROWS_PER_CHUNK)
                 qs_out[r0:r1] = qs[r0:r1].reshape(r1 - r0, dim)
-                sc_out[r0:r1] = d[r0:r1]
+                sc_out[r0:r1] = scaled(d[r0:r1])
                 t.release(r0, r1)
         else:
             for r0, rows in t.row_chunks(t.rows_per_chunk()):
                 blocks = q8_0_blocks(q8_0_quantize(rows), dim)
                 r1 = r0 + rows.shape[0]
                 qs_out[r0:r1] = blocks["qs"].reshape(r1 - r0, dim)
-                sc_out[r0:r1] = blocks["d"]
+                sc_out[r0:r1] = scaled(blocks["d"])
         qs_out.flush()
         sc_out.flush()
         del qs_out, sc_out
@@ -50,7 +65,7 @@ def write_embeddings(t: Tensor, folder: Path) -> tuple[str, dict[str, Path]]:
     path = folder / "embed_f16.npy"
     out = np.lib.format.open_memmap(path, "w+", np.float16, (vocab, dim))
     for r0, rows in t.row_chunks(ROWS_PER_CHUNK):
-        out[r0:r0 + rows.shape[0]] = rows.astype(np.float16)
+        out[r0:r0 + rows.shape[0]] = scaled(rows.astype(np.float16))
     out.flush()
     del out
     return "fp16", {"table": path}

@@ -91,6 +91,9 @@ class LayerWeights:
     k_norm: np.ndarray | None = None
     post_attn_norm: np.ndarray | None = None  # fp32 [d] (gemma3)
     post_ffn_norm: np.ndarray | None = None
+    # eps of the norms whose input is the residual stream (attn_norm, ffn_norm); None: the
+    # model's rms_eps. A stream scaled by s takes eps * s^2 (residual_scale.py).
+    stream_eps: float | None = None
 
 
 @dataclass
@@ -353,7 +356,8 @@ def decoder_layer(x: Var, i: int, w: LayerWeights, io: BlockInputs, k_state: Var
         cos = _widen_table(cos, hd // 2, c.rope_dims // 2)
         sin = _widen_table(sin, hd // 2, c.rope_dims // 2)
 
-    a = rms_norm(x, w.attn_norm, c.rms_eps, d, p + "attn_norm")
+    eps = c.rms_eps if w.stream_eps is None else w.stream_eps
+    a = rms_norm(x, w.attn_norm, eps, d, p + "attn_norm")
     qkv = conv_in_chunks(a, w.qkv, p + "qkv")
     if w.qkv_bias is not None:
         qkv = mb.add(x=qkv, y=w.qkv_bias.astype(np.float16).reshape(1, -1, 1, 1),
@@ -386,7 +390,7 @@ def decoder_layer(x: Var, i: int, w: LayerWeights, io: BlockInputs, k_state: Var
     x = mb.add(x=x, y=post_norm(_conv(o, w.attn_output, p + "o_w"), w.post_attn_norm, c,
                                 p + "post_attn_norm"))
 
-    f = _conv(rms_norm(x, w.ffn_norm, c.rms_eps, d, p + "ffn_norm"), w.ffn_up, p + "up_w")
+    f = _conv(rms_norm(x, w.ffn_norm, eps, d, p + "ffn_norm"), w.ffn_up, p + "up_w")
     g, u = mb.split(x=f, num_splits=2, axis=1)
     down = _conv(mb.mul(x=gate_activation(g, c), y=u), w.ffn_down, p + "down_w")
     down = post_norm(down, w.post_ffn_norm, c, p + "post_ffn_norm")

@@ -190,8 +190,9 @@ def _split_ring_inputs(inputs: dict, c: ModelConfig, max_seq: int, ring: int,
 
 
 def head_program(norm: np.ndarray, chunks: Sequence[ConvWeight], c: ModelConfig, layout: Layout,
-                 argmax: bool, first_chunk: int = 0) -> Program:
-    """Final RMSNorm + LM head split into vocab chunks.
+                 argmax: bool, first_chunk: int = 0, eps: float | None = None) -> Program:
+    """Final RMSNorm + LM head split into vocab chunks. `eps`: the norm's, when the residual
+    stream is scaled (residual_scale.py); None: the model's rms_eps.
 
     Outputs per chunk `logits_{i}` [1, V_i, T, 1] (or [1, V_i, 1, T]), or with `argmax` the
     chunk's `max_{i}` (fp16) and `argmax_{i}` (int32, index within the chunk), [1, 1, T, 1].
@@ -204,7 +205,8 @@ def head_program(norm: np.ndarray, chunks: Sequence[ConvWeight], c: ModelConfig,
     specs = {HIDDEN_IN: mb.TensorSpec(hidden_shape(c.hidden_size, t, layout), dtype=types.fp16)}
 
     def body(inputs: dict) -> list:
-        h = rms_norm(inputs[HIDDEN_IN], norm, c.rms_eps, c.hidden_size, "output_norm")
+        h = rms_norm(inputs[HIDDEN_IN], norm, c.rms_eps if eps is None else eps, c.hidden_size,
+                     "output_norm")
         outs = []
         for i, w in enumerate(chunks, start=first_chunk):
             logits = conv_in_chunks(h, w, f"head_{i}",

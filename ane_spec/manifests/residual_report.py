@@ -1,0 +1,56 @@
+"""A build's residual scale and activation margins in words: `build`, `inspect` and `doctor`
+say them the same way. The record itself is `schema.ResidualScale`; the compiler side is
+shards/residual_scale.py."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ane_spec.manifests.schema import ResidualScale
+
+
+def describe(rs: ResidualScale | None) -> list[str]:
+    """The residual scale and the measured margins in a few lines (build, inspect, doctor)."""
+    if rs is None:
+        return ["residual scale: not recorded (built before residual scaling): stream unscaled, "
+                "activation margins not measured"]
+    lines = [f"residual scale: 2^{rs.log2_factor} ({rs.setting}); stream norms' eps "
+             f"{rs.stream_eps:.3g}" + (f" (0 in fp16)" if np.float16(rs.stream_eps) == 0 else "")
+             + (f"; {sum(rs.inexact_values.values()):,} stored value(s) not scaled exactly "
+                "(fp16 subnormals)" if any(rs.inexact_values.values()) else "")]
+    cal = rs.calibration
+    if cal is None:
+        lines.append("  activations not calibrated (--residual-scale off)")
+        return lines
+    peak = max([cal.embedding, *(x.residual for x in cal.layers)])
+    worst = max(range(len(cal.layers)),
+                key=lambda i: max(cal.layers[i].ffn_up, cal.layers[i].ffn_down_in), default=0)
+    ffn_peak = max([0.0, *(max(x.ffn_up, x.ffn_down_in) for x in cal.layers)])
+    lines.append(f"  calibration ({cal.prompts} prompts, {cal.tokens} tokens, {cal.seconds:.1f}s, "
+                 f"fp32 reference): residual peak {peak:.4g}, as stored x2^{rs.log2_factor}: "
+                 f"margin {_fmt_margin(cal.residual_margin)} under 65504; FFN intermediate peak "
+                 f"{ffn_peak:.4g} (layer {worst}), margin {_fmt_margin(cal.ffn_margin)} (not "
+                 "scaled by the fold)")
+    for problem in margin_problems(rs):
+        lines.append(f"  warning: {problem}")
+    return lines
+
+
+def margin_problems(rs: ResidualScale | None) -> list[str]:
+    """What the recorded margins say overflows (or nearly) on the calibration prompts."""
+    cal = rs.calibration if rs is not None else None
+    if cal is None:
+        return []
+    out = []
+    if cal.residual_margin is not None and cal.residual_margin < 1:
+        out.append(f"the residual stream overflows fp16 even scaled by 2^{rs.log2_factor} "
+                   f"(margin {cal.residual_margin:.2f}); use a smaller --residual-scale")
+    if cal.ffn_margin is not None and cal.ffn_margin < 1:
+        out.append(f"FFN intermediates overflow fp16 (margin {cal.ffn_margin:.2f}); the stream's "
+                   "scale cannot help there: the gate/up weights would need scaling (with "
+                   "down's inverse) or the product split")
+    return out
+
+
+def _fmt_margin(m: float | None) -> str:
+    return "unbounded" if m is None else f"{m:.1f}x"

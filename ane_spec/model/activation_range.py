@@ -1,0 +1,142 @@
+"""How large a model's activations get: the fp32 reference run on a few varied prompts.
+
+The Neural Engine computes only in fp16, whose largest finite value is 65,504. Models trained in
+bf16 (Gemma above all, but any family may) can carry residual-stream values near or past that;
+an fp16 program then turns them into inf, and the next RMSNorm into NaN. This module measures,
+per layer, the largest |value| of:
+
+- `residual`: the stream itself, after each add into it (and the embedding row, as layer 0's
+  input). The build can scale the stream by a power of two (shards/residual_scale.py);
+- `ffn_up`: the gate and up projections' outputs, which the fp16 program also holds;
+- `ffn_down_in`: silu(gate) * up, the down projection's input. Scaling the stream does not
+  scale the FFN intermediates (RMSNorm in front of the FFN undoes it), so their margin is
+  reported apart.
+
+Prompts are short and varied (prose, code, digits, repeated characters, markup): outlier
+("massive") activations depend on the token, most of all the first one, so each prompt runs
+from position 0 on its own. The reference dequantizes each weight once per prompt when the
+model is too large to cache in fp32 (reference.MATERIALIZE_LIMIT_BYTES), so the cost is a few
+forward passes of `max_tokens` tokens: seconds on a 0.5B model.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ane_spec.model.gguf_file import GGUFModel
+from ane_spec.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # torch is imported with the reference, only when measuring
+    import torch
+
+FP16_MAX = 65504.0
+
+# Varied on purpose: prose, code, numbers, a run of one character, markup with special-looking
+# text. Each starts differently, since the first token's activations are often the largest.
+CALIBRATION_PROMPTS: tuple[str, ...] = (
+    "The quick brown fox jumps over the lazy dog. In 1905, Einstein published four papers "
+    "that changed physics: on the photoelectric effect, Brownian motion, and relativity.",
+    "def fibonacci(n: int) -> list[int]:\n    a, b = 0, 1\n    out = []\n    for _ in range(n):\n"
+    "        out.append(a)\n        a, b = b, a + b\n    return out\n",
+    "3.14159 2.71828 1.41421 0 0 0 0 1 1 2 3 5 8 13 21 34 55 89 144 233 377 610 987 "
+    "1597 2584 4181 6765 10946",
+    "!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!",
+    "<html><body><h1>Résumé</h1><p>naïve café — 東京 😀</p></body></html>\n{\"key\": [1, 2, 3]}",
+)
+DEFAULT_MAX_TOKENS = 48
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class LayerRange:
+    """Largest |value| seen in one layer (fp32 reference, unscaled)."""
+
+    residual: float = 0.0
+    ffn_up: float = 0.0
+    ffn_down_in: float = 0.0
+
+
+@dataclass
+class ActivationRanges:
+    layers: list[LayerRange]
+    prompts: int
+    tokens: int
+    seconds: float
+    embedding: float = 0.0
+
+    @property
+    def residual_max(self) -> float:
+        return max([self.embedding, *(r.residual for r in self.layers)])
+
+    @property
+    def ffn_max(self) -> float:
+        return max([0.0, *(max(r.ffn_up, r.ffn_down_in) for r in self.layers)])
+
+
+@dataclass
+class _Collector:
+    ranges: list[LayerRange]
+    embedding: float = 0.0
+    non_finite: list[str] = field(default_factory=list)
+
+    def __call__(self, what: str, layer: int, x: torch.Tensor) -> None:
+        peak = float(x.abs().max())
+        if not math.isfinite(peak):
+            # fp32 overflow (or a NaN) in the reference itself: nothing a power of two fixes.
+            self.non_finite.append(f"{what} of layer {layer}")
+            return
+        if what == "embedding":
+            self.embedding = max(self.embedding, peak)
+            return
+        r = self.ranges[layer]
+        setattr(r, what, max(getattr(r, what), peak))
+
+
+def calibration_tokens(model: GGUFModel, prompts: Sequence[str] = CALIBRATION_PROMPTS,
+                       max_tokens: int = DEFAULT_MAX_TOKENS) -> list[list[int]]:
+    """The prompts as token ids (with BOS where the model adds one), cut to `max_tokens`."""
+    tok = Tokenizer.from_data(model.tokenizer_data)
+    out = []
+    for text in prompts:
+        ids = tok.encode(text, add_special=True)[:max_tokens]
+        if ids:
+            out.append(ids)
+    return out
+
+
+def measure_activations(model: GGUFModel, prompts: Sequence[str] = CALIBRATION_PROMPTS,
+                        max_tokens: int = DEFAULT_MAX_TOKENS,
+                        progress: Progress | None = None) -> ActivationRanges:
+    """Per-layer activation maxima of the fp32 reference over `prompts` (see module docstring).
+    Raises ValueError if the fp32 reference itself produces a non-finite value."""
+    from ane_spec.model.reference import ReferenceModel
+
+    say = progress or (lambda _msg: None)
+    started = time.monotonic()
+    c = model.config
+    sequences = calibration_tokens(model, prompts, max_tokens)
+    window = max(len(s) for s in sequences)
+    collect = _Collector([LayerRange() for _ in range(c.num_layers)])
+    ref = ReferenceModel(model, context_window=window, observer=collect)
+    for n, tokens in enumerate(sequences):
+        say(f"calibrating activations: prompt {n + 1}/{len(sequences)} ({len(tokens)} tokens, "
+            f"{time.monotonic() - started:.1f}s so far)")
+        ref.forward(tokens, ref.new_cache())
+        if collect.non_finite:
+            raise ValueError(f"the fp32 reference is not finite ({collect.non_finite[0]}) on "
+                             f"calibration prompt {n + 1}: the model itself overflows fp32")
+    return ActivationRanges(layers=collect.ranges, prompts=len(sequences),
+                            tokens=sum(map(len, sequences)),
+                            seconds=time.monotonic() - started, embedding=collect.embedding)
+
+
+def margin(peak: float, factor: float = 1.0) -> float:
+    """How many times `peak * factor` fits under fp16's largest value (inf for an all-zero
+    activation)."""
+    scaled = peak * factor
+    return math.inf if scaled == 0 else FP16_MAX / scaled

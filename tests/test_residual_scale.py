@@ -1,0 +1,177 @@
+"""Residual-stream scaling (issue 30 item 4): the fp16 program of a model whose residual stream
+overflows fp16 follows the fp32 reference once the stream is scaled by a power of two folded into
+the weights; on a model that does not overflow, the fold changes no bit of the logits."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ane_spec.cli import main
+from ane_spec.errors import BuildError
+from ane_spec.manifests.schema import MANIFEST_NAME
+from ane_spec.manifests.store import load_manifest
+from ane_spec.model.activation_range import FP16_MAX, ActivationRanges, LayerRange
+from ane_spec.model.gguf_file import open_gguf
+from ane_spec.model.reference import ReferenceModel
+from ane_spec.model.synthetic import preset, write_synthetic_gguf
+from ane_spec.probes.parity import cosine_rows, stored_weights
+from ane_spec.runtime.fp16_argmax import NonFiniteLogits
+from ane_spec.runtime.mil_backend import MILBackend
+from ane_spec.runtime.pipeline import ShardPipeline, prefill_logits
+from ane_spec.shards.build import BuildRequest, build
+from ane_spec.shards.residual_scale import (
+    SAFETY,
+    choose_log2,
+    parse_residual_scale,
+    scale_conv_weight,
+)
+from ane_spec.shards.weights import convert_matrix
+
+S = 64
+TOKENS = [int(t) for t in np.random.default_rng(0).integers(0, 1024, 32)]
+
+
+@pytest.fixture(scope="module")
+def overflowing_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2 tiny layers whose attn_output/ffn_down weights are 3e4 x the usual scale: the fp32
+    residual stream peaks near 2e5, three times fp16's maximum, while the FFN intermediates stay
+    near 10 (the fold does not scale those)."""
+    spec = preset("tiny", num_layers=2, embed_std=1.0, branch_scale=3e4, seed=3)
+    return write_synthetic_gguf(tmp_path_factory.mktemp("gguf") / "overflow.gguf", spec)
+
+
+def _fp16_logits(out: Path) -> np.ndarray:
+    return prefill_logits(ShardPipeline(load_manifest(out), MILBackend("fp16")),
+                          TOKENS).astype(np.float64)
+
+
+def test_scaled_stream_follows_the_fp32_reference_where_unscaled_overflows(
+        overflowing_gguf: Path, tmp_path: Path) -> None:
+    unscaled = build(overflowing_gguf, tmp_path / "off",
+                     BuildRequest(topology="2", max_seq=S, residual_scale="off")).manifest_path
+    with warnings.catch_warnings(), pytest.raises(NonFiniteLogits):
+        warnings.simplefilter("ignore", RuntimeWarning)  # the interpreter's fp16 overflow
+        _fp16_logits(unscaled.parent)
+
+    scaled = build(overflowing_gguf, tmp_path / "auto", BuildRequest(topology="2", max_seq=S))
+    rs = load_manifest(scaled.manifest_path.parent).manifest.residual_scale
+    cal = rs.calibration
+    peak = max(x.residual for x in cal.layers)
+    assert peak > 2 * FP16_MAX  # the fixture does overflow, by the fp32 reference's measure
+    # auto takes the smallest k that leaves SAFETY x headroom: 2e5 * 8 / 65504 -> 2^-5.
+    assert rs.log2_factor == -5 and cal.residual_margin == pytest.approx(
+        FP16_MAX / (peak * 2.0 ** -5))
+    assert SAFETY <= cal.residual_margin < 2 * SAFETY
+    assert cal.ffn_margin > 1000  # not scaled by the fold, and not near fp16's limit here
+    assert rs.stream_eps == pytest.approx(1e-5 * 2.0 ** -10)
+
+    got = _fp16_logits(scaled.manifest_path.parent)
+    # The reference holds the values the build stores (int8 per row, fp16 norms), so what is
+    # left is fp16 activation rounding: cos measured ~0.999995; 0.9999 leaves 20x of room and
+    # is still far from what an overflow (NaN, or a saturated stream) gives.
+    ref = ReferenceModel(open_gguf(overflowing_gguf), context_window=S,
+                         weight_transform=stored_weights("auto")).logits(TOKENS).astype(np.float64)
+    cos = cosine_rows(got, ref)
+    assert np.isfinite(got).all() and cos.min() > 0.9999, cos.min()
+    # Argmax at every position where the reference's top-2 gap is over twice the row's error
+    # (the parity gate's "decisive" rule), and nearly everywhere overall.
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    decisive = (top2[:, 1] - top2[:, 0]) > 2 * np.abs(got - ref).max(axis=-1)
+    agree = got.argmax(-1) == ref.argmax(-1)
+    assert decisive.sum() >= len(TOKENS) * 3 // 4 and agree[decisive].all()
+    assert agree.mean() >= 0.9
+
+
+def test_fold_changes_no_bit_of_the_fp16_logits(tmp_path: Path) -> None:
+    """Powers of two change no mantissa bit: with eps large enough that eps * s^2 stays a normal
+    fp16 number (1e-2 here), builds at 2^-3, 2^0 and 2^2 give identical fp16 logits. A fold
+    that missed one stream writer, the embedding or one norm's eps breaks the equality."""
+    spec = preset("tiny", embed_std=1.0, branch_scale=1.0, seed=7, rms_eps=1e-2)
+    gguf = write_synthetic_gguf(tmp_path / "m.gguf", spec)
+    logits = {}
+    for setting in ("off", "2^-3", "2^2"):
+        out = tmp_path / setting.replace("^", "")
+        build(gguf, out, BuildRequest(topology="2,1", max_seq=S, residual_scale=setting))
+        m = load_manifest(out).manifest
+        assert m.residual_scale.setting == setting
+        assert (m.residual_scale.calibration is None) == (setting == "off")
+        logits[setting] = prefill_logits(ShardPipeline(load_manifest(out), MILBackend("fp16")),
+                                         TOKENS[:12])
+    assert np.array_equal(logits["off"], logits["2^-3"])
+    assert np.array_equal(logits["off"], logits["2^2"])
+    # The embeddings really are stored scaled: same int8 data, scales x2^-3.
+    off = np.load(tmp_path / "off" / "embeddings" / "embed_scales.npy")
+    down = np.load(tmp_path / "2-3" / "embeddings" / "embed_scales.npy")
+    assert np.array_equal(off.astype(np.float32) / 8, down.astype(np.float32))
+
+
+@pytest.mark.parametrize("fmt", ["int8-channel", "lut8", "q8-block", "fp16"])
+def test_scaling_a_conv_weight_scales_its_stored_values_exactly(tiny_gguf: Path,
+                                                                fmt: str) -> None:
+    t = open_gguf(tiny_gguf).tensor("blk.0.ffn_down.weight")
+    w = convert_matrix(t, fmt)
+    scaled, count = scale_conv_weight(w, -3, t.name)
+    assert np.array_equal(scaled.data, w.data) or fmt == "fp16"  # int data untouched
+    assert count.values > 0 and count.inexact == 0
+    assert np.array_equal(_dense(scaled), _dense(w) / 8)
+
+
+def _dense(w) -> np.ndarray:
+    if w.lut is not None:
+        g = w.lut.shape[0]
+        rows = w.data.reshape(g, -1)
+        return np.take_along_axis(w.lut.reshape(g, -1).astype(np.float32),
+                                  rows.astype(np.intp), axis=1).reshape(w.data.shape[:2])
+    data = w.data[:, :, 0, 0].astype(np.float32)
+    if w.scale is None:
+        return data
+    scale = w.scale[:, :, 0, 0].astype(np.float32)
+    return data * np.repeat(scale, data.shape[1] // scale.shape[1], axis=1)
+
+
+def test_scaling_up_past_fp16_is_refused(tiny_gguf: Path) -> None:
+    w = convert_matrix(open_gguf(tiny_gguf).tensor("blk.0.ffn_down.weight"), "fp16")
+    with pytest.raises(BuildError, match=r"beyond fp16's range"):
+        scale_conv_weight(w, 20, "blk.0.ffn_down.weight")
+
+
+def test_choose_and_parse() -> None:
+    def ranges(peak: float) -> ActivationRanges:
+        return ActivationRanges([LayerRange(residual=peak)], prompts=1, tokens=1, seconds=0.0)
+
+    assert choose_log2(ranges(FP16_MAX / SAFETY)) == 0        # exactly the headroom: unscaled
+    assert choose_log2(ranges(FP16_MAX / SAFETY * 1.01)) == -1
+    assert choose_log2(ranges(2.6e4)) == -2                   # SmolLM2-135M's measured peak
+    assert choose_log2(ranges(1.0)) == 0                      # never scaled up
+    assert parse_residual_scale("2^(-3)") == "2^-3" and parse_residual_scale("off") == "off"
+    for bad in ("2^-13", "0.5", "2^1.5", "on"):
+        with pytest.raises(BuildError, match="--residual-scale"):
+            parse_residual_scale(bad)
+
+
+def test_reports_and_older_manifests(tiny_gguf: Path, tmp_path: Path, capsys) -> None:
+    """`build` and `inspect` say the factor and margins; a manifest from before residual scaling
+    (no record) still loads, and inspect says it was not measured."""
+    out = tmp_path / "art"
+    assert main(["build", str(tiny_gguf), "--out", str(out), "--topology", "3", "--max-seq",
+                 str(S), "--residual-scale", "2^-1"]) == 0
+    printed = capsys.readouterr().out
+    assert "residual scale: 2^-1 (2^-1)" in printed and "FFN intermediate peak" in printed
+    assert main(["inspect", str(out)]) == 0
+    assert "residual scale: 2^-1" in capsys.readouterr().out
+
+    path = out / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    del data["residual_scale"]
+    path.write_text(json.dumps(data))
+    assert load_manifest(out, verify=False).manifest.residual_scale is None
+    assert main(["inspect", str(out)]) == 0
+    assert "residual scale: not recorded" in capsys.readouterr().out
+    with pytest.raises(BuildError, match="--residual-scale"):
+        build(tiny_gguf, tmp_path / "bad", BuildRequest(topology="3", max_seq=S,
+                                                        residual_scale="2^x"))
