@@ -175,3 +175,26 @@ def test_reports_and_older_manifests(tiny_gguf: Path, tmp_path: Path, capsys) ->
     with pytest.raises(BuildError, match="--residual-scale"):
         build(tiny_gguf, tmp_path / "bad", BuildRequest(topology="3", max_seq=S,
                                                         residual_scale="2^x"))
+
+
+def test_margins_under_one_are_reported_as_problems() -> None:
+    """What doctor fails on: the stream overflowing even scaled, or an FFN intermediate
+    overflowing (which the fold cannot help)."""
+    from ane_spec.manifests.residual_report import describe, margin_problems
+    from ane_spec.manifests.schema import (
+        ActivationCalibration,
+        LayerActivations,
+        ResidualScale,
+    )
+
+    def record(residual: float, ffn: float) -> ResidualScale:
+        cal = ActivationCalibration(
+            prompts=1, tokens=8, seconds=0.1, embedding=1.0,
+            layers=[LayerActivations(residual=residual, ffn_up=ffn, ffn_down_in=1.0)],
+            residual_margin=FP16_MAX / residual, ffn_margin=FP16_MAX / ffn)
+        return ResidualScale(setting="2^0", log2_factor=0, stream_eps=1e-6, calibration=cal)
+
+    assert margin_problems(record(100.0, 10.0)) == []
+    stream, ffn = margin_problems(record(1e5, 7e4))
+    assert "residual stream overflows" in stream and "FFN intermediates overflow" in ffn
+    assert any("warning: FFN" in line for line in describe(record(10.0, 7e4)))

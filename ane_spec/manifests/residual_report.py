@@ -15,7 +15,7 @@ def describe(rs: ResidualScale | None) -> list[str]:
         return ["residual scale: not recorded (built before residual scaling): stream unscaled, "
                 "activation margins not measured"]
     lines = [f"residual scale: 2^{rs.log2_factor} ({rs.setting}); stream norms' eps "
-             f"{rs.stream_eps:.3g}" + (f" (0 in fp16)" if np.float16(rs.stream_eps) == 0 else "")
+             f"{rs.stream_eps:.3g}{_eps_in_fp16(rs.stream_eps)}"
              + (f"; {sum(rs.inexact_values.values()):,} stored value(s) not scaled exactly "
                 "(fp16 subnormals)" if any(rs.inexact_values.values()) else "")]
     cal = rs.calibration
@@ -47,10 +47,23 @@ def margin_problems(rs: ResidualScale | None) -> list[str]:
                    f"(margin {cal.residual_margin:.2f}); use a smaller --residual-scale")
     if cal.ffn_margin is not None and cal.ffn_margin < 1:
         out.append(f"FFN intermediates overflow fp16 (margin {cal.ffn_margin:.2f}); the stream's "
-                   "scale cannot help there: the gate/up weights would need scaling (with "
-                   "down's inverse) or the product split")
+                   "scale cannot help there. silu(gate)*up is linear in up, so ffn_up's rows "
+                   "times 2^-j with ffn_down times 2^j would hold the product; a gate output "
+                   "past 65504 would need the graph to split the conv")
     return out
 
 
 def _fmt_margin(m: float | None) -> str:
     return "unbounded" if m is None else f"{m:.1f}x"
+
+
+def _eps_in_fp16(eps: float) -> str:
+    """What the fp16 constant holds: eps below fp16's smallest normal (6.1e-5) is stored as a
+    subnormal, below half its smallest subnormal (3e-8) as 0 (layer_graph.rms_norm: harmless
+    for every row but an all-zero one)."""
+    stored = float(np.float16(eps))
+    if stored == 0:
+        return " (0 in fp16)"
+    if stored < float(np.finfo(np.float16).tiny):
+        return f" (fp16 subnormal {stored:.3g})"
+    return ""
