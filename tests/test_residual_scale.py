@@ -198,3 +198,25 @@ def test_margins_under_one_are_reported_as_problems() -> None:
     stream, ffn = margin_problems(record(1e5, 7e4))
     assert "residual stream overflows" in stream and "FFN intermediates overflow" in ffn
     assert any("warning: FFN" in line for line in describe(record(10.0, 7e4)))
+
+
+def test_layer_major_calibration_sees_what_forward_sees(tiny_gguf: Path) -> None:
+    """The calibration runs all prompts one layer at a time (one layer's weights held); its
+    maxima are those of the ordinary prompt-by-prompt forward pass."""
+    from ane_spec.model.activation_range import calibration_tokens, measure_activations
+
+    model = open_gguf(tiny_gguf)
+    ranges = measure_activations(model)
+    seen: dict[tuple[str, int], float] = {}
+
+    def observe(what: str, layer: int, x) -> None:
+        seen[what, layer] = max(seen.get((what, layer), 0.0), float(x.abs().max()))
+
+    ref = ReferenceModel(model, context_window=S, observer=observe)
+    sequences = calibration_tokens(model)
+    for tokens in sequences:
+        ref.forward(tokens, ref.new_cache())
+    assert ranges.prompts == len(sequences) >= 4 and ranges.embedding == seen["embedding", -1]
+    for i, r in enumerate(ranges.layers):
+        assert (r.residual, r.ffn_up, r.ffn_down_in) == pytest.approx(
+            (seen["residual", i], seen["ffn_up", i], seen["ffn_down_in", i]), rel=1e-6)

@@ -14,9 +14,10 @@ per layer, the largest |value| of:
 
 Prompts are short and varied (prose, code, digits, repeated characters, markup): outlier
 ("massive") activations depend on the token, most of all the first one, so each prompt runs
-from position 0 on its own. The reference dequantizes each weight once per prompt when the
-model is too large to cache in fp32 (reference.MATERIALIZE_LIMIT_BYTES), so the cost is a few
-forward passes of `max_tokens` tokens: seconds on a 0.5B model.
+from position 0 on its own. They run layer-major (ReferenceModel.run_layer_major): each weight
+is dequantized once and only one layer's fp32 weights are held, so the cost is about one pass
+over the weights plus a few hundred tokens of fp32 matmuls (seconds on a 0.5B model), and the
+memory one layer's.
 """
 
 from __future__ import annotations
@@ -97,6 +98,25 @@ class _Collector:
         setattr(r, what, max(getattr(r, what), peak))
 
 
+@dataclass
+class _Progress:
+    """Passes observations on, and says how far the calibration is every few layers."""
+
+    collect: _Collector
+    say: Progress
+    layers: int
+    started: float
+    last: float = 0.0
+
+    def __call__(self, what: str, layer: int, x: "torch.Tensor") -> None:
+        self.collect(what, layer, x)
+        now = time.monotonic()
+        if what == "residual" and now - self.last > 5.0 and layer + 1 < self.layers:
+            self.last = now
+            self.say(f"calibrating activations: layer {layer + 1}/{self.layers}, "
+                     f"{now - self.started:.1f}s")
+
+
 def calibration_tokens(model: GGUFModel, prompts: Sequence[str] = CALIBRATION_PROMPTS,
                        max_tokens: int = DEFAULT_MAX_TOKENS) -> list[list[int]]:
     """The prompts as token ids (with BOS where the model adds one), cut to `max_tokens`."""
@@ -122,14 +142,17 @@ def measure_activations(model: GGUFModel, prompts: Sequence[str] = CALIBRATION_P
     sequences = calibration_tokens(model, prompts, max_tokens)
     window = max(len(s) for s in sequences)
     collect = _Collector([LayerRange() for _ in range(c.num_layers)])
-    ref = ReferenceModel(model, context_window=window, observer=collect)
-    for n, tokens in enumerate(sequences):
-        say(f"calibrating activations: prompt {n + 1}/{len(sequences)} ({len(tokens)} tokens, "
-            f"{time.monotonic() - started:.1f}s so far)")
-        ref.forward(tokens, ref.new_cache())
-        if collect.non_finite:
-            raise ValueError(f"the fp32 reference is not finite ({collect.non_finite[0]}) on "
-                             f"calibration prompt {n + 1}: the model itself overflows fp32")
+    # Layer-major: all prompts through layer i before layer i+1, so each weight is dequantized
+    # once and one layer's fp32 weights are held at a time (the build's memory stays bounded by
+    # a shard, and a 3.8B model costs one pass over its weights, not one per prompt).
+    ref = ReferenceModel(model, context_window=window, materialize=False,
+                         observer=_Progress(collect, say, c.num_layers, started))
+    say(f"calibrating activations: {len(sequences)} prompts, "
+        f"{sum(map(len, sequences))} tokens, fp32 reference")
+    ref.run_layer_major(sequences)
+    if collect.non_finite:
+        raise ValueError(f"the fp32 reference is not finite ({collect.non_finite[0]}) on the "
+                         "calibration prompts: the model itself overflows fp32")
     return ActivationRanges(layers=collect.ranges, prompts=len(sequences),
                             tokens=sum(map(len, sequences)),
                             seconds=time.monotonic() - started, embedding=collect.embedding)

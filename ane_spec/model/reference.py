@@ -67,7 +67,7 @@ def apply_rope_norm(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
 WeightTransform = Callable[[str, np.ndarray], np.ndarray]
 # Sees intermediate activations: (what, layer, tensor). `what` is "embedding" (layer -1),
 # "residual" (the stream after each add into it), "ffn_up" (gate and up outputs) or
-# "ffn_down_in" (silu(gate) * up). Activation calibration (activation_range.py) uses it.
+# "ffn_down_in" (act(gate) * up). Activation calibration (activation_range.py) uses it.
 Observer = Callable[[str, int, torch.Tensor], None]
 
 
@@ -91,6 +91,9 @@ class Weights:
         if self.materialize:
             self._cache[name] = w
         return w
+
+    def drop_cached(self) -> None:
+        self._cache.clear()
 
     def rows(self, name: str, ids: Sequence[int]) -> torch.Tensor:
         return torch.from_numpy(self.gguf.tensor(name).rows(np.asarray(ids))).to(self.dtype)
@@ -155,24 +158,8 @@ class ReferenceModel:
         if bad:
             raise AneSpecError(f"token ids {bad[:5]} are outside the vocabulary 0..{c.vocab_size - 1}")
 
-        positions = np.arange(start, start + n)
-        tables = {False: self._tables(self.rope, positions)}
-        # Row i may see key slots 0 .. start+i: the causal mask over the committed prefix.
-        keys = torch.arange(start + n)
-        rows = start + torch.arange(n)
-        masks = {False: keys[None, :] <= rows[:, None]}
-        if self.rope_local is not None:
-            tables[True] = self._tables(self.rope_local, positions)
-            # llama_hparams::is_masked_swa (STANDARD) hides key p0 from row p1 when
-            # p1 - p0 >= n_swa: a local row sees the last `sliding_window` positions, itself
-            # included.
-            masks[True] = masks[False] & (keys[None, :] > rows[:, None] - c.sliding_window)
-
-        h = self.w.rows("token_embd.weight", tokens)
-        if self.arch.embed_scale:
-            # gemma3.cpp: ggml_scale(inp, sqrtf(n_embd)), the fp32-rounded root.
-            h = h * float(np.float32(math.sqrt(c.hidden_size)))
-        self.observe("embedding", -1, h)
+        tables, masks = self._position_inputs(start, n)
+        h = self._embed(tokens)
         for i in range(c.num_layers):
             local = c.is_local(i)
             cos, sin = tables[local]
@@ -185,6 +172,59 @@ class ReferenceModel:
     def _tables(self, rope: RopeSpec, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = rope.tables(positions, np.float64)
         return torch.from_numpy(cos).to(self.dtype), torch.from_numpy(sin).to(self.dtype)
+
+    def _position_inputs(self, start: int, n: int
+                         ) -> tuple[dict[bool, tuple[torch.Tensor, torch.Tensor]],
+                                    dict[bool, torch.Tensor]]:
+        """RoPE tables and masks for rows start..start+n-1, keyed by "is a local layer"."""
+        c = self.config
+        positions = np.arange(start, start + n)
+        tables = {False: self._tables(self.rope, positions)}
+        # Row i may see key slots 0 .. start+i: the causal mask over the committed prefix.
+        keys = torch.arange(start + n)
+        rows = start + torch.arange(n)
+        masks = {False: keys[None, :] <= rows[:, None]}
+        if self.rope_local is not None:
+            tables[True] = self._tables(self.rope_local, positions)
+            # llama_hparams::is_masked_swa (STANDARD) hides key p0 from row p1 when
+            # p1 - p0 >= n_swa: a local row sees the last `sliding_window` positions, itself
+            # included.
+            masks[True] = masks[False] & (keys[None, :] > rows[:, None] - c.sliding_window)
+        return tables, masks
+
+    def _embed(self, tokens: Sequence[int]) -> torch.Tensor:
+        h = self.w.rows("token_embd.weight", tokens)
+        if self.arch.embed_scale:
+            # gemma3.cpp: ggml_scale(inp, sqrtf(n_embd)), the fp32-rounded root.
+            h = h * float(np.float32(math.sqrt(self.config.hidden_size)))
+        self.observe("embedding", -1, h)
+        return h
+
+    @torch.no_grad()
+    def run_layer_major(self, sequences: Sequence[Sequence[int]]) -> None:
+        """Run each sequence from position 0 through every layer, for the observer only (no
+        logits), one layer at a time for all of them: each weight is dequantized once and only
+        one layer's weights are held, however large the model (activation calibration)."""
+        c = self.config
+        runs = []
+        for tokens in sequences:
+            if not 0 < len(tokens) <= self.context_window:
+                raise AneSpecError(f"a sequence of {len(tokens)} tokens does not fit the "
+                                   f"context window of {self.context_window}")
+            runs.append((self._embed(tokens), *self._position_inputs(0, len(tokens)),
+                         self.new_cache()))
+        kept = self.w.materialize
+        self.w.materialize = True
+        try:
+            for i in range(c.num_layers):
+                local = c.is_local(i)
+                for n, (h, tables, masks, cache) in enumerate(runs):
+                    cos, sin = tables[local]
+                    runs[n] = (self._layer(i, h, cos, sin, masks[local], cache), tables, masks,
+                               cache)
+                self.w.drop_cached()  # layer i's weights are not read again
+        finally:
+            self.w.materialize = kept
 
     def _layer(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                mask: torch.Tensor, cache: KVCache) -> torch.Tensor:
