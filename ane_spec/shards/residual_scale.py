@@ -24,7 +24,11 @@ eps: Qwen's 1e-6 is already subnormal in fp16 (stored as ~1.01e-6), and 1e-6 * 2
 below fp16's smallest subnormal (6e-8), so it is stored as 0. eps matters only for a row whose
 mean(x^2) is comparable to it, i.e. an all-zero row; layer_graph.rms_norm's docstring says why
 no such row is ever fed (an ANE that flushes subnormals already sees eps = 0 for every model
-whose eps is below 6.1e-5).
+whose eps is below 6.1e-5). A subnormal eps also rounds differently once scaled (SmolLM2's
+1e-5 at 2^-2: 6.25e-7 is stored as 5.96e-7, 4.6% low, where 1e-5 is stored 0.14% high), so a
+row whose mean(x^2) is small differs in its last fp16 bit here and there: SmolLM2 built at 2^-2
+against unscaled gives fp16 logits with cosine >= 0.99998 and the same argmax on 16 positions,
+not bit-identical ones (tests/test_residual_scale.py shows bit-identity with a normal eps).
 """
 
 from __future__ import annotations
