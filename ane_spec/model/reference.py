@@ -93,6 +93,11 @@ class Weights:
         return w
 
     def drop_cached(self) -> None:
+        """Forget the cached values and give back the file pages they were read from: mapped
+        pages count in this process's RSS, and a layer-major sweep reads every one of them
+        (a 4 GB file otherwise peaks at 4.4 GB of RSS for 0.4 GB of layer weights)."""
+        for name in self._cache:
+            self.gguf.tensor(name).release()
         self._cache.clear()
 
     def rows(self, name: str, ids: Sequence[int]) -> torch.Tensor:
