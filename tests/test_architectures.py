@@ -31,6 +31,7 @@ from ane_spec.probes.row_invariance import run_row_invariance
 from ane_spec.shards.build import BuildRequest, build
 from ane_spec.shards.static_checks import dtype_problems, read_package_facts
 from ane_spec.shards.topology import MAX_HEAD_CHANNELS, check_budget, min_head_chunks, plan_topology
+from tests.decode_checks import assert_speculative_equals_greedy
 from tests.gguf_edit import rewrite_gguf
 
 S = 64
@@ -225,19 +226,7 @@ def build_family(root: Path, archs: tuple[str, ...], request: BuildRequest,
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fp16_speculative_equals_greedy(chaotic_builds: dict[str, Path], arch: str) -> None:
     pipeline = open_pipeline(chaotic_builds[arch], "mil", "fp16")[1]
-    session = DecodeSession(pipeline)
-    rng = np.random.default_rng(5)
-    distinct, accepted = [], 0
-    for _ in range(8):
-        prompt = rng.integers(0, 900, int(rng.integers(2, 20))).tolist()
-        base = DecodeSession(pipeline).generate(
-            prompt, GenerateOptions(max_tokens=20, speculative=False))
-        spec_out = session.generate(prompt, GenerateOptions(max_tokens=20))
-        assert spec_out.tokens == base.tokens, prompt
-        distinct.append(len(set(base.tokens)))
-        accepted += spec_out.stats.accepted
-    print(arch, "distinct per 20:", distinct, "accepted", accepted)
-    assert np.median(distinct) >= 5 and accepted > 0
+    assert_speculative_equals_greedy(pipeline, token_limit=900, longest=20, label=arch)
 
 
 # -- real shapes -----------------------------------------------------------------------------------

@@ -72,21 +72,28 @@ def _prompts(n: int, vocab: int, seed: int = 5, longest: int = S - 4) -> list[li
     return [rng.integers(0, vocab, int(rng.integers(3, longest))).tolist() for _ in range(n)]
 
 
+def _assert_prefills_agree(pipes: dict, prompt: list[int]) -> int:
+    """Prefill `prompt` 4 rows a pass in both forms: every row's logits finite and the same
+    bits. Returns the rows compared."""
+    states = {form: p.new_state() for form, p in pipes.items()}
+    rows = 0
+    for start in range(0, len(prompt), 4):
+        chunk = prompt[start:start + 4]
+        out = {form: p.run(chunk, start, states[form]) for form, p in pipes.items()}
+        for r in range(len(chunk)):
+            a, b = out["select"].row_native(r), out["additive"].row_native(r)
+            assert np.isfinite(a).all() and np.array_equal(a, b), (prompt, start, r)
+            rows += 1
+    return rows
+
+
 @pytest.mark.parametrize("precision", ["fp16", "fp32"])
 def test_the_forms_agree_bitwise_on_ordinary_prompts(builds: dict, precision: str) -> None:
     """Every row's logits of every prefill pass, the same bits in both forms; then greedy and
     speculative decoding give the same tokens. No score of these prompts is near 16368."""
     pipes = {form: open_pipeline(folder, "mil", precision)[1] for form, folder in builds.items()}
-    rows = 0
-    for prompt in _prompts(6, pipes["select"].config.vocab_size):
-        states = {form: p.new_state() for form, p in pipes.items()}
-        for start in range(0, len(prompt), 4):
-            chunk = prompt[start:start + 4]
-            out = {form: p.run(chunk, start, states[form]) for form, p in pipes.items()}
-            for r in range(len(chunk)):
-                a, b = out["select"].row_native(r), out["additive"].row_native(r)
-                assert np.isfinite(a).all() and np.array_equal(a, b), (prompt, start, r)
-                rows += 1
+    rows = sum(_assert_prefills_agree(pipes, prompt)
+               for prompt in _prompts(6, pipes["select"].config.vocab_size))
     assert rows > 60
     distinct = []
     for prompt in _prompts(4, pipes["select"].config.vocab_size, seed=9, longest=10):
@@ -184,10 +191,4 @@ def test_a_gemma3_ring_build_agrees_bitwise_in_both_forms(tmp_path: Path) -> Non
     rng = np.random.default_rng(7)
     for prompt in (rng.integers(0, pipes["select"].config.vocab_size, n).tolist()
                    for n in (45, S - 4)):  # past the 32-slot ring: it wraps
-        states = {form: p.new_state() for form, p in pipes.items()}
-        for start in range(0, len(prompt), 4):
-            chunk = prompt[start:start + 4]
-            out = {form: p.run(chunk, start, states[form]) for form, p in pipes.items()}
-            for r in range(len(chunk)):
-                a, b = out["select"].row_native(r), out["additive"].row_native(r)
-                assert np.isfinite(a).all() and np.array_equal(a, b), (prompt, start, r)
+        _assert_prefills_agree(pipes, prompt)
