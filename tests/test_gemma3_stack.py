@@ -18,6 +18,7 @@ from ane_spec.model.gguf_file import open_gguf
 from ane_spec.model.synthetic import preset, write_synthetic_gguf
 from ane_spec.probes.block import run_block
 from ane_spec.probes.gates import open_pipeline
+from ane_spec.probes.overflow import run_overflow
 from ane_spec.probes.parity import run_parity
 from ane_spec.probes.row_invariance import run_row_invariance
 from ane_spec.runtime.host_inputs import MASK_VALUE, HostInputs
@@ -105,8 +106,10 @@ def test_shards_match_the_reference(conditioned: tuple[Path, Path]) -> None:
             assert parity.figures["argmax_agreement"] == 1.0
     block = run_block(pipeline)
     rows = run_row_invariance(pipeline)
-    print("gemma3", block.summary(), "|", rows.summary())
-    assert block.passed and rows.passed
+    # Overflowing filler rows leave every other slot, the rings' included, bit for bit.
+    overflow = run_overflow(pipeline)
+    print("gemma3", block.summary(), "|", rows.summary(), "|", overflow.summary())
+    assert block.passed and rows.passed and overflow.passed
 
 
 def test_fp16_speculative_equals_greedy(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -120,3 +123,16 @@ def test_fp16_speculative_equals_greedy(tmp_path_factory: pytest.TempPathFactory
     build(gguf, root / "art", BuildRequest(topology="4", max_seq=S))
     pipeline = open_pipeline(root / "art", "mil", "fp16")[1]
     assert_speculative_equals_greedy(pipeline, token_limit=1000, longest=30, label="gemma3")
+
+
+def test_the_overflow_probe_compares_ring_slots_by_the_position_they_hold() -> None:
+    """Positions 0..63 written into a 32-slot ring: slot j holds 32 + j. A rejected draft at 63
+    must not be compared (slot 31), the positions below it must (slots 0..30); without a wrap,
+    slot = position as in a full-length state."""
+    from ane_spec.probes.overflow import _slots_holding_positions_below
+
+    assert _slots_holding_positions_below(32, 63, 64).tolist() == list(range(31))
+    assert _slots_holding_positions_below(32, 12, 13) == slice(0, 12)
+    assert _slots_holding_positions_below(64, 63, 64) == slice(0, 63)
+    # Written 0..43: slots hold 32..43 (0..11) and 12..31; below 40: 32..39 and 12..31.
+    assert _slots_holding_positions_below(32, 40, 44).tolist() == [*range(8), *range(12, 32)]
