@@ -116,3 +116,34 @@ def test_bad_input_is_refused(tiny_gguf: Path) -> None:
         ref.logits([1, 5000])
     with pytest.raises(AneSpecError, match="do not fit the context window of 32"):
         ref.logits(list(range(33)))
+
+
+def test_a_forked_child_runs_the_reference_after_its_parent_did() -> None:
+    """libgomp is not fork-safe: a child forked after the parent ran a parallel torch op hung at
+    its first one (builds calibrate with the reference; the build-kill tests fork builds). The
+    reference module puts a forked child's torch on one thread."""
+    import os
+    import signal
+    import time
+
+    import torch
+
+    import ane_spec.model.reference  # noqa: F401  (registers the at-fork hook)
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("one torch thread: no OpenMP team to inherit")
+    big = torch.ones(1 << 22)
+    assert float((big * 2).sum()) == 2 * (1 << 22)  # the parent's OpenMP team now exists
+    pid = os.fork()
+    if pid == 0:  # the child: the same parallel op, then out without pytest's teardown
+        os._exit(0 if float((big * 3).sum()) == 3 * (1 << 22) else 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung in torch (libgomp after fork)")

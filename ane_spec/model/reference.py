@@ -22,6 +22,7 @@ clarity, not speed.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -32,6 +33,17 @@ import torch.nn.functional as F
 from ane_spec.errors import AneSpecError
 from ane_spec.model.gguf_file import GGUFModel, Tensor
 from ane_spec.model.rope import RopeSpec
+
+
+def _one_thread_in_a_forked_child() -> None:
+    """torch's CPU ops run on libgomp's OpenMP team, which is not fork-safe: a child forked after
+    its parent ran a parallel op waits forever at its own first one (gomp_team_barrier_wait_end).
+    Builds calibrate activations with this reference, and the build-kill tests (like any caller
+    that forks a build) hung there. One thread never enters an OpenMP region."""
+    torch.set_num_threads(1)
+
+
+os.register_at_fork(after_in_child=_one_thread_in_a_forked_child)
 
 # Above this many bytes of dequantized weights the reference re-dequantizes each matrix from the
 # memmap on every use instead of caching it: the real 3.8B model would need 15 GB in fp32.
