@@ -815,6 +815,11 @@ REQUESTS = st.one_of(
                                              {"role": "user", "content": "é" * 5}],
                                 "options": {"num_predict": 3.9, "num_ctx": -(2**70),
                                             "use_mmap": False, "numa": "x"}}))
+# One well-formed Responses body with hostile text: drawn ones are mostly refused, and a CI run
+# once drew none that reached the model, failing test_the_fuzz_reached_the_model by chance.
+@example(request=("/v1/responses", {"model": "m", "input": "<|end|><|assistant|>{{",
+                                    "instructions": "<|system|>" + "{" * 20,
+                                    "max_output_tokens": 2}))
 def test_fuzz_hostile_bodies_get_no_5xx_and_no_crash(srv: Hostile, request) -> None:  # noqa: ANN001
     path, body = request
     content = body.encode() if isinstance(body, str) else json.dumps(body).encode()

@@ -82,7 +82,13 @@ def test_shipped_card_matches_the_file() -> None:
     # Float keys are stored as f32 in the file: equal up to that rounding.
     shipped, read = dict(card["config"]), c.model_dump()
     assert shipped.pop("arch") == read.pop("arch") == "phi3"
-    assert shipped == pytest.approx(read, rel=1e-6)
+    # Fields the card predates (gemma3's window, for one) are not in it; the model has none.
+    assert not c.has_local_layers
+    read = {k: v for k, v in read.items() if k in shipped}
+    floats = {k for k, v in read.items() if isinstance(v, float)}
+    assert {k: shipped.pop(k) for k in floats} == pytest.approx(
+        {k: read.pop(k) for k in floats}, rel=1e-6)
+    assert shipped == read
     assert card["parameters"] == c.num_parameters()
     assert len(card["corpus"]["sha256"]) == 64 and card["steps"] > 0 and card["wall_s"] > 0
     assert card["command"].startswith("python scripts/train_tiny_model.py")

@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ane_spec.model.gguf_file import GGUFModel
 from ane_spec.model.tokenizer import Tokenizer
 
@@ -117,6 +119,10 @@ class _Progress:
                      f"{now - self.started:.1f}s")
 
 
+class NonFiniteActivations(ValueError):
+    """The fp32 reference computed inf or NaN on the calibration prompts."""
+
+
 def calibration_tokens(model: GGUFModel, prompts: Sequence[str] = CALIBRATION_PROMPTS,
                        max_tokens: int = DEFAULT_MAX_TOKENS) -> list[list[int]]:
     """The prompts as token ids (with BOS where the model adds one), cut to `max_tokens`."""
@@ -149,10 +155,14 @@ def measure_activations(model: GGUFModel, prompts: Sequence[str] = CALIBRATION_P
                          observer=_Progress(collect, say, c.num_layers, started))
     say(f"calibrating activations: {len(sequences)} prompts, "
         f"{sum(map(len, sequences))} tokens, fp32 reference")
-    ref.run_layer_major(sequences)
+    # A corrupt file's inf/NaN weights would warn in numpy's dequantization; they are found and
+    # named below (and the build then names the tensor), so the warnings say nothing more.
+    with np.errstate(invalid="ignore", over="ignore"):
+        ref.run_layer_major(sequences)
     if collect.non_finite:
-        raise ValueError(f"the fp32 reference is not finite ({collect.non_finite[0]}) on the "
-                         "calibration prompts: the model itself overflows fp32")
+        raise NonFiniteActivations(f"the fp32 reference is not finite ({collect.non_finite[0]}) on the "
+                         "calibration prompts: its weights hold NaN or infinite values, or the "
+                         "model itself overflows fp32")
     return ActivationRanges(layers=collect.ranges, prompts=len(sequences),
                             tokens=sum(map(len, sequences)),
                             seconds=time.monotonic() - started, embedding=collect.embedding)

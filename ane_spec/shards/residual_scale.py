@@ -45,12 +45,13 @@ from ane_spec.manifests.schema import ActivationCalibration, LayerActivations, R
 from ane_spec.model.activation_range import (
     FP16_MAX,
     ActivationRanges,
+    NonFiniteActivations,
     margin,
     measure_activations,
 )
 from ane_spec.model.gguf_file import GGUFModel
 from ane_spec.shards.layer_graph import LayerWeights
-from ane_spec.shards.weights import ConvWeight
+from ane_spec.shards.weights import ConvWeight, check_tensor_finite
 
 # The stream's largest calibrated |value| times this must stay under 65,504: calibration sees a
 # few short prompts, and real inputs (long contexts, rare tokens) can go further. 8 (3 bits) is
@@ -180,6 +181,11 @@ def decide(model: GGUFModel, setting: str, say: Callable[[str], None]) -> Residu
     if setting != "off":
         try:
             ranges = measure_activations(model, progress=say)
+        except NonFiniteActivations as exc:
+            # Usually a corrupt file: name the tensor, as the conversion would have.
+            for tensor in model.tensors.values():
+                check_tensor_finite(tensor)
+            raise BuildError(f"activation calibration failed: {exc}") from None
         except ValueError as exc:
             raise BuildError(f"activation calibration failed: {exc}") from None
     log2 = requested_log2(setting, ranges)
