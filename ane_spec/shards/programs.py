@@ -126,47 +126,22 @@ def layer_program(first_layer: int, layers: Sequence[LayerWeights], c: ModelConf
 
 def _split_local_inputs(inputs: dict, write: Var, keep: Var, c: ModelConfig,
                         local: list[bool], additive: bool) -> BlockInputs:
-    """The global and local halves of the stacked inputs, sliced once per shard; only the
-    halves some layer of the shard reads (an all-local shard has no global slice)."""
-    half = c.rope_dims // 2
-
-    def part(kind: int, suffix: str) -> BlockInputs:
-        def cols(x: Var, name: str) -> Var:
-            return mb.slice_by_index(x=x, begin=[0, kind * half], end=[0, (kind + 1) * half],
-                                     begin_mask=[True, False], end_mask=[True, False],
-                                     name=name + suffix)
-
+    """Full-length local states: the global and local masks stacked on axis 1, one write mask."""
+    def masks(kind: int, suffix: str) -> tuple[Var, Var, Var]:
         mask = mb.slice_by_index(x=inputs[ATTN_MASK], begin=[0, kind, 0, 0],
                                  end=[0, kind + 1, 0, 0], begin_mask=[True, False, True, True],
                                  end_mask=[True, False, True, True], name="attn_mask" + suffix)
-        return BlockInputs(cos=cols(inputs[COS], "rope_cos"), sin=cols(inputs[SIN], "rope_sin"),
-                           attn_mask=mask, write=write, keep=keep,
-                           visible=None if additive else mb.greater_equal(
-                               x=mask, y=np.float16(0.0), name="attn_visible" + suffix))
+        return mask, write, keep
 
-    local_io = part(1, "_local") if any(local) else None
-    if all(local):  # no global layer reads the top-level fields: they may be the local ones
-        return replace(local_io, local=local_io)
-    io = part(0, "_global")
-    io.local = local_io
-    return io
+    return _split_inputs(inputs, c, local, additive, masks)
 
 
 def _split_ring_inputs(inputs: dict, c: ModelConfig, max_seq: int, ring: int,
                        local: list[bool], additive: bool) -> BlockInputs:
-    """The global inputs (RoPE columns 0..rot/2, mask and write columns/rows 0..S) and the
-    ring's (the local RoPE, slots S..S+R), each with its own keep = 1 - rowsum(write), sliced
-    once per shard; only the kinds some layer of the shard has."""
-    half = c.rope_dims // 2
-
-    def part(kind: int, suffix: str) -> BlockInputs:
+    """Ring states: the global mask and write columns/rows 0..S, the ring's S..S+R, each kind
+    with its own keep = 1 - rowsum(write)."""
+    def masks(kind: int, suffix: str) -> tuple[Var, Var, Var]:
         lo, hi = (0, max_seq) if kind == 0 else (max_seq, max_seq + ring)
-
-        def cols(x: Var, name: str) -> Var:
-            return mb.slice_by_index(x=x, begin=[0, kind * half], end=[0, (kind + 1) * half],
-                                     begin_mask=[True, False], end_mask=[True, False],
-                                     name=name + suffix)
-
         mask = mb.slice_by_index(x=inputs[ATTN_MASK], begin=[0, 0, 0, lo], end=[0, 0, 0, hi],
                                  begin_mask=[True, True, True, False],
                                  end_mask=[True, True, True, False], name="attn_mask" + suffix)
@@ -176,13 +151,34 @@ def _split_ring_inputs(inputs: dict, c: ModelConfig, max_seq: int, ring: int,
                                   name="kv_write_mask" + suffix)
         keep = mb.sub(x=np.float16(1.0), y=mb.reduce_sum(x=write, axes=[3], keep_dims=True),
                       name="kv_keep" + suffix)
+        return mask, write, keep
+
+    return _split_inputs(inputs, c, local, additive, masks)
+
+
+def _split_inputs(inputs: dict, c: ModelConfig, local: list[bool], additive: bool,
+                  masks: Callable[[int, str], tuple[Var, Var, Var]]) -> BlockInputs:
+    """The global (kind 0) and local (kind 1) inputs of a shard with sliding-window layers,
+    sliced once per shard: RoPE columns from the stacked tables, and `masks(kind, suffix)`'s
+    mask, write mask and keep; only the kinds some layer of the shard reads (an all-local shard
+    has no global slice)."""
+    half = c.rope_dims // 2
+
+    def part(kind: int, suffix: str) -> BlockInputs:
+        mask, write, keep = masks(kind, suffix)
+
+        def cols(x: Var, name: str) -> Var:
+            return mb.slice_by_index(x=x, begin=[0, kind * half], end=[0, (kind + 1) * half],
+                                     begin_mask=[True, False], end_mask=[True, False],
+                                     name=name + suffix)
+
         return BlockInputs(cos=cols(inputs[COS], "rope_cos"), sin=cols(inputs[SIN], "rope_sin"),
                            attn_mask=mask, write=write, keep=keep,
                            visible=None if additive else mb.greater_equal(
                                x=mask, y=np.float16(0.0), name="attn_visible" + suffix))
 
     local_io = part(1, "_local") if any(local) else None
-    if all(local):
+    if all(local):  # no global layer reads the top-level fields: they may be the local ones
         return replace(local_io, local=local_io)
     io = part(0, "_global")
     io.local = local_io
