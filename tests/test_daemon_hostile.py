@@ -949,12 +949,14 @@ def test_grammars_are_gbnf_and_counted_however_lines_end(srv: Hostile) -> None:
 def grammar_child(srv: Hostile) -> int:
     """The pid of the server's grammar compiler child. A grammar never seen before is compiled
     so the child runs: 'w' alone may come from the cache after an earlier test's timeout or
-    crash stopped the child, and then nothing restarts it (CI saw exactly that)."""
+    crash stopped the child, and then nothing restarts it. `ps` is asked for whole lines
+    (-ww): without a terminal it cuts them at $COLUMNS or 80, and in CI a longer interpreter
+    path cut off the module name, so no child was found (twice)."""
     srv.post("/v1/completions", {"prompt": "x", "max_tokens": 1, "grammar": 'root ::= "w"'})
     fresh = f'root ::= "child{time.monotonic_ns()}"'
     assert srv.post("/v1/completions", {"prompt": "x", "max_tokens": 1,
                                         "grammar": fresh}).status_code == 200
-    rows = subprocess.run(["ps", "-A", "-o", "pid=,ppid=,args="], capture_output=True,
+    rows = subprocess.run(["ps", "-ww", "-A", "-o", "pid=,ppid=,args="], capture_output=True,
                           text=True, check=True).stdout.splitlines()
     kids = [int(r.split()[0]) for r in rows
             if r.split()[1] == str(srv.proc.pid) and "grammar_compiler" in r]
