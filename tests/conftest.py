@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
-import pytest
+# Under xdist (-n 2) each worker has a core to itself: a BLAS or OpenMP pool per worker spins on
+# the other worker's core (the real-model tests ran 4-5x slower than alone). Set before numpy or
+# torch load; the servers, builds and children the tests start inherit it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
 
-from ane_spec.model.synthetic import preset, write_synthetic_gguf
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from ane_spec.model.synthetic import preset, write_synthetic_gguf  # noqa: E402
 
 # smollm2_gguf, qwen_coder_gguf: the catalog's real models, pulled once into the user's cache.
 pytest_plugins = ("tests.real_models",)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -45,10 +46,17 @@ def sdist(downloads: Path) -> Path:
     """The checked sdist in `downloads`, fetched from PyPI (no dependencies, no build) if absent."""
     path = downloads / SDIST
     if not path.exists():
-        downloads.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
-                        "llama-cpp-python", f"llama-cpp-python=={VERSION}", "-d", str(downloads)],
-                       check=True, stdout=subprocess.DEVNULL)
+        # Into a folder of this process's own, then renamed: parallel test workers may both
+        # download, and neither may read the other's half-written file.
+        work = downloads / f".download.{os.getpid()}"
+        work.mkdir(parents=True, exist_ok=True)
+        try:
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                            "llama-cpp-python", f"llama-cpp-python=={VERSION}", "-d", str(work)],
+                           check=True, stdout=subprocess.DEVNULL)
+            os.replace(work / SDIST, path)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     digest = _sha256(path)
     if digest != SDIST_SHA256:
         raise RuntimeError(f"{path}: sha256 {digest}, expected {SDIST_SHA256}; delete it to "
@@ -91,6 +99,7 @@ def llama_cpp_tree(cache: Path | None = None) -> Path:
     try:
         tmp.rename(target)
     except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
         if not (target / DONE).exists():
             raise
     return target

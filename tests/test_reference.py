@@ -130,10 +130,13 @@ def test_a_forked_child_runs_the_reference_after_its_parent_did() -> None:
 
     import ane_spec.model.reference  # noqa: F401  (registers the at-fork hook)
 
-    if torch.get_num_threads() < 2:
-        pytest.skip("one torch thread: no OpenMP team to inherit")
-    big = torch.ones(1 << 22)
-    assert float((big * 2).sum()) == 2 * (1 << 22)  # the parent's OpenMP team now exists
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)  # a team to inherit, whatever this worker's thread budget
+    try:
+        big = torch.ones(1 << 22)
+        assert float((big * 2).sum()) == 2 * (1 << 22)  # the parent's OpenMP team now exists
+    finally:
+        torch.set_num_threads(previous)
     pid = os.fork()
     if pid == 0:  # the child: the same parallel op, then out without pytest's teardown
         os._exit(0 if float((big * 3).sum()) == 3 * (1 << 22) else 1)
