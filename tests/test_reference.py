@@ -131,15 +131,17 @@ def test_a_forked_child_runs_the_reference_after_its_parent_did() -> None:
     import ane_spec.model.reference  # noqa: F401  (registers the at-fork hook)
 
     previous = torch.get_num_threads()
-    torch.set_num_threads(2)  # a team to inherit, whatever this worker's thread budget
+    # A team to inherit, whatever this worker's thread budget, held through the fork: a child of
+    # a one-thread parent would never enter OpenMP, and the test could not fail.
+    torch.set_num_threads(2)
     try:
         big = torch.ones(1 << 22)
         assert float((big * 2).sum()) == 2 * (1 << 22)  # the parent's OpenMP team now exists
+        pid = os.fork()
+        if pid == 0:  # the child: the same parallel op, then out without pytest's teardown
+            os._exit(0 if float((big * 3).sum()) == 3 * (1 << 22) else 1)
     finally:
         torch.set_num_threads(previous)
-    pid = os.fork()
-    if pid == 0:  # the child: the same parallel op, then out without pytest's teardown
-        os._exit(0 if float((big * 3).sum()) == 3 * (1 << 22) else 1)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         done, status = os.waitpid(pid, os.WNOHANG)
