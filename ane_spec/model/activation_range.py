@@ -160,9 +160,9 @@ def measure_activations(model: GGUFModel, prompts: Sequence[str] = CALIBRATION_P
     with np.errstate(invalid="ignore", over="ignore"):
         ref.run_layer_major(sequences)
     if collect.non_finite:
-        raise NonFiniteActivations(f"the fp32 reference is not finite ({collect.non_finite[0]}) on the "
-                         "calibration prompts: its weights hold NaN or infinite values, or the "
-                         "model itself overflows fp32")
+        raise NonFiniteActivations(
+            f"the fp32 reference is not finite ({collect.non_finite[0]}) on the calibration "
+            "prompts: its weights hold NaN or infinite values, or the model itself overflows fp32")
     return ActivationRanges(layers=collect.ranges, prompts=len(sequences),
                             tokens=sum(map(len, sequences)),
                             seconds=time.monotonic() - started, embedding=collect.embedding)

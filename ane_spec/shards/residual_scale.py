@@ -181,12 +181,10 @@ def decide(model: GGUFModel, setting: str, say: Callable[[str], None]) -> Residu
     if setting != "off":
         try:
             ranges = measure_activations(model, progress=say)
-        except NonFiniteActivations as exc:
-            # Usually a corrupt file: name the tensor, as the conversion would have.
-            for tensor in model.tensors.values():
-                check_tensor_finite(tensor)
-            raise BuildError(f"activation calibration failed: {exc}") from None
         except ValueError as exc:
+            if isinstance(exc, NonFiniteActivations):  # usually a corrupt file: name the
+                for tensor in model.tensors.values():  # tensor, as the conversion would have
+                    check_tensor_finite(tensor)
             raise BuildError(f"activation calibration failed: {exc}") from None
     log2 = requested_log2(setting, ranges)
     calibration = None
