@@ -12,6 +12,8 @@ import os
 
 # The ANE's largest spatial dimension, as ANEMLL's model code uses it (cited by issue 18's
 # audit). The K/V states' sequence axis is max_seq long, so --max-seq above it leaves the ANE.
+# `ane_lint` also checks the last two axes of every op output, in each function at its own
+# shape: a prefill function's attention scores are [1, kv, G x P, S] (G query heads per K/V head).
 ANE_MAX_SPATIAL = 16384
 MAX_SEQ_SOURCE = "ANEMLL's model code: the ANE's spatial dimensions stop at 16,384"
 

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ane_spec.errors import AneSpecError, one_line, untrusted
-from ane_spec.runtime.decode_shape import DECODE_SHAPES
+from ane_spec.runtime.decode_shape import DECODE_SHAPES, PREFILL_MODES
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -54,7 +54,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ane_spec.model.gguf_file import open_gguf
-    from ane_spec.model.inspect import describe, describe_build, format_build, format_description
+    from ane_spec.manifests.inspect_build import describe_build, format_build
+    from ane_spec.model.inspect import describe, format_description
 
     if Path(args.gguf).is_dir():  # a build folder: what each tensor got, and why
         d = describe_build(Path(args.gguf))
@@ -85,7 +86,8 @@ def cmd_logits(args: argparse.Namespace) -> int:
         from ane_spec.runtime.pipeline import prefill_logits
 
         _, pipeline = open_pipeline(args.manifest, args.backend, args.precision,
-                                    verify=not args.no_verify, decode_shape=args.decode_shape)
+                                    verify=not args.no_verify, decode_shape=args.decode_shape,
+                                    prefill=args.prefill)
         logits = prefill_logits(pipeline, args.tokens)
         source = f"artifacts, {pipeline.backend.describe()}, T={pipeline.max_t} prefill"
     else:
@@ -132,20 +134,86 @@ def cmd_build(args: argparse.Namespace) -> int:
     from ane_spec.shards.build import BuildRequest, build
 
     request = BuildRequest(topology=args.topology, max_seq=args.max_seq, weights=args.weights,
-                           layout=args.layout, head_chunks=args.head_chunks,
+                           head_chunks=args.head_chunks,
                            head_argmax=args.head_argmax, max_shard_mb=args.max_shard_mb,
                            max_head_mb=args.max_head_mb,
                            min_weight_cosine=args.min_weight_cosine,
                            residual_scale=args.residual_scale,
                            force_ane_limits=args.force_ane_limits,
-                           mask_form=args.mask_form,
-                           swa_ring=not args.no_swa_ring)
+                           swa_ring=not args.no_swa_ring, **_tuned_options(args))
     result = build(_model_path(args.gguf), args.out, request, force=args.force,
                    progress=lambda msg: tqdm.write(f"[build] {msg}", file=sys.stderr))
     for line in result.summary:
         print(line)
     print(f"built {len(result.built)} and reused {len(result.reused)} packages in "
           f"{result.seconds:.1f}s -> {result.manifest_path}")
+    return 0
+
+
+def _tuned_options(args: argparse.Namespace) -> dict:
+    """The tuned build options (layout, mask form, head layout, prefill P, K/V write): each as
+    given on the command line, else as `--tuned tune.json` chose it, else left to BuildRequest's
+    default. A flag given explicitly wins over the file, and that is said."""
+    from ane_spec.bench.tune_model import DIMENSIONS, load_tune
+
+    options = {d: getattr(args, d) for d in DIMENSIONS if getattr(args, d) is not None}
+    if not args.tuned:
+        return options
+    tuned = load_tune(args.tuned)
+    if tuned.backend.startswith("mil"):
+        print(f"[build] note: {args.tuned} was measured on the MIL interpreter, not a device: "
+              "its choices rank the interpreter's costs", file=sys.stderr)
+    for d, choice in tuned.choices.items():
+        if d in options:
+            if options[d] != choice.value:
+                print(f"[build] {choice.flag} {options[d]} given: it wins over {args.tuned}'s "
+                      f"{choice.value}", file=sys.stderr)
+            continue
+        options[d] = choice.value
+        print(f"[build] tuned: {choice.flag} {choice.value} (from {args.tuned}: "
+              f"{choice.rests_on.split(';')[0]})", file=sys.stderr)
+    return options
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ane_spec.bench import tune_source
+    from ane_spec.bench.tune import run_tune
+    from ane_spec.bench.tune_report import write_tune
+    from ane_spec.runtime.backend import default_backend_name
+
+    out = Path(args.out)
+    backend = default_backend_name() if args.backend == "auto" else args.backend
+    label = ("coreml (CPU_AND_NE, in a worker process)" if backend == "coreml"
+             else "mil (the fp16 MIL interpreter; Core ML does not run here)")
+    if args.manifest:
+        gguf, request, source = tune_source.from_manifest(args.manifest)
+    else:
+        # Beside the variants' builds: removed with them unless --keep-builds.
+        gguf, request, source = tune_source.synthetic(out / "variants", args.preset,
+                                                      args.layers, args.max_seq, args.vocab)
+    say = lambda msg: print(f"[tune] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    say(f"backend {label}; {source}")
+    if backend == "mil":
+        say("timings here are the MIL interpreter's on this CPU, not the Neural Engine's")
+
+    def row_done(row) -> None:  # noqa: ANN001
+        timing = f", decode {row.decode_ms:.4g} ms" if row.decode_ms is not None else ""
+        say(f"{row.name}: {row.outcome}{timing}" + (f" ({row.reason})" if row.reason else ""))
+
+    result = run_tune(gguf, out, request, backend=backend, backend_label=label, source=source,
+                      reps=args.reps, warmup=args.warmup, deadline_s=args.deadline,
+                      bits=args.bits, dimensions=args.dimensions, margin=args.margin,
+                      keep_builds=args.keep_builds, progress=say, on_row=row_done)
+    json_path, md_path = write_tune(result, out)
+    for d, c in result.choices.items():
+        print(f"{d}: {c.flag} {c.value}" + ("" if c.measured else " (default: nothing passed)"))
+    bad = [r for r in result.variants if r.outcome not in ("ok", "skipped")]
+    print(f"wrote {json_path} and {md_path}: {len(result.variants)} variants, "
+          f"{len(bad)} not ok" + ("; timings are the interpreter's, not the device's"
+                                  if backend == "mil" else ""))
+    print(f"apply with: ane-spec build MODEL --out DIR --tuned {json_path}")
     return 0
 
 
@@ -164,7 +232,8 @@ def cmd_probe_gates(args: argparse.Namespace) -> int:
     if args.gate == "all" and not args.json:
         print(platform_note(), file=sys.stderr)
     reports = run_gates(args.manifest, gates, backend=args.backend, precision=args.precision,
-                        gguf=args.gguf, verify=not args.no_verify, decode_shape=args.decode_shape)
+                        gguf=args.gguf, verify=not args.no_verify, decode_shape=args.decode_shape,
+                        strict=args.strict)
     return 0 if _print_reports(reports, args.json) else 1
 
 
@@ -209,9 +278,18 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             write_atomically(out, to_markdown(done, args.manifest))
             write_atomically(out.with_suffix(".json"), to_json(done, args.manifest))
 
+    draft = None
+    if args.draft_model:
+        if not args.manifest:
+            raise AneSpecError("--draft-model is measured beside a build: give --manifest too")
+        from ane_spec.manifests.store import load_manifest
+
+        args.backend = "coreml"  # the draft's units are Core ML's (_draft_folder checks them)
+        draft = _draft_folder(args, load_manifest(args.manifest))
     checks = run_doctor(args.manifest, decode_shape=args.decode_shape, gguf=args.gguf,
                         progress=lambda msg: print(f"[doctor] {msg}", file=sys.stderr),
-                        on_check=save)
+                        on_check=save, strict=args.strict, draft=draft,
+                        draft_units=args.draft_units)
     print(to_json(checks, args.manifest) if args.json else to_lines(checks))
     if args.out:
         print(f"wrote {args.out} and {Path(args.out).with_suffix('.json')}", file=sys.stderr)
@@ -237,6 +315,71 @@ def _add_backend_args(p: argparse.ArgumentParser, *, decode_shape: bool = True) 
                         "runs flexible shapes on the Neural Engine; coremltools #2600 ran a "
                         "stateful RangeDim LLM wholly on the CPU); `doctor --decode-shape "
                         "mixed` measures where it runs")
+    p.add_argument("--prefill", choices=PREFILL_MODES, default="auto",
+                   help="prompts through the build's prefill function (--prefill-t P: P tokens "
+                        "a pass, layers only, the head on the last token): auto (default) where "
+                        "this backend's measured pass costs say it is cheaper than T=4 passes, "
+                        "on for every chunk, off for none (T=4 passes, as builds without it)")
+
+
+# decode/draft_policy.DRAFT_MODES and decode/draft_setup.DRAFT_UNITS (the parser imports
+# nothing heavy: tests/test_quiet_imports.py)
+DRAFT_MODES = ("both", "model", "ngram")
+DRAFT_UNITS = ("ane", "gpu", "cpu")
+
+
+def _add_draft_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-model", metavar="M",
+                   help="a smaller model of the same family drafts beside the n-gram drafter: a "
+                        "GGUF, a catalog name, ollama:NAME or a build folder (a GGUF is built "
+                        "once into local-artifacts/drafts/ with the target's context); its "
+                        "vocabulary must match the target's (llama.cpp's rule)")
+    p.add_argument("--draft-units", choices=DRAFT_UNITS, default=None,
+                   help="Core ML compute units of the draft model: ane (default), gpu or cpu")
+    p.add_argument("--draft-mode", choices=DRAFT_MODES, default="both",
+                   help="who drafts: both (default; chosen per step from the n-gram match and "
+                        "each source's recent acceptance), model, or ngram")
+    overlap = p.add_mutually_exclusive_group()
+    overlap.add_argument("--draft-overlap", dest="draft_overlap", action="store_true",
+                         default=None, help="the draft looks past each block while the target "
+                                            "verifies it (default: on; the draft runs in its "
+                                            "own process)")
+    overlap.add_argument("--no-draft-overlap", dest="draft_overlap", action="store_false",
+                         help="draft only after each verify pass (serial)")
+
+
+def _draft_folder(args: argparse.Namespace, target) -> str | None:  # noqa: ANN001
+    """--draft-model as a build folder (built first from a GGUF if needed, once its vocabulary
+    is found to match `target`'s, a LoadedManifest), or None."""
+    if not getattr(args, "draft_model", None):
+        return None
+    from ane_spec.decode.draft_setup import check_units
+    from ane_spec.model.vocab_compat import check_draft_vocab
+    from ane_spec.shards.draft_build import draft_build
+
+    check_units(args.backend, args.draft_units)  # before the draft is built, not after
+
+    def check(vocab, name: str) -> None:  # noqa: ANN001
+        check_draft_vocab(target.tokenizer_data(), vocab, target_name=target.manifest.name,
+                          draft_name=name)
+
+    return str(draft_build(args.draft_model, max_seq=target.manifest.build.max_seq,
+                           say=lambda m: print(f"[draft] {m}", file=sys.stderr), check=check))
+
+
+def _open_drafter(args: argparse.Namespace, pipeline):  # noqa: ANN001, ANN202
+    """The draft model beside the n-gram drafter, or None without --draft-model."""
+    folder = _draft_folder(args, pipeline.loaded)
+    if folder is None:
+        return None
+    from ane_spec.decode.draft_setup import open_drafter
+
+    drafter = open_drafter(pipeline, folder, units=args.draft_units, mode=args.draft_mode,
+                           overlap=args.draft_overlap, ngram_min=args.ngram_min,
+                           ngram_max=args.ngram_max, verify=not args.no_verify)
+    if drafter.costs is not None:
+        print(f"[draft] {folder}: {drafter.costs.to_dict()}", file=sys.stderr)
+    return drafter
 
 
 # --- decoding ---------------------------------------------------------------------------------
@@ -248,7 +391,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ane_spec.probes.gates import open_pipeline
 
     _, pipeline = open_pipeline(args.manifest, args.backend, args.precision,
-                                verify=not args.no_verify, decode_shape=args.decode_shape)
+                                verify=not args.no_verify, decode_shape=args.decode_shape,
+                                prefill=args.prefill)
     messages = load_chat_file(args.chat_file) if args.chat_file else None
     tokens = prompt_tokens(pipeline, prompt=args.prompt, messages=messages)
     options = GenerateOptions(
@@ -260,9 +404,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    result = generate(pipeline, tokens, options, ngram_min=args.ngram_min,
-                      ngram_max=args.ngram_max, trace_path=args.trace,
-                      on_text=None if args.json else stream)
+    drafter = _open_drafter(args, pipeline)
+    try:
+        result = generate(pipeline, tokens, options, ngram_min=args.ngram_min,
+                          ngram_max=args.ngram_max, trace_path=args.trace,
+                          on_text=None if args.json else stream, drafter=drafter)
+    finally:
+        if drafter is not None:
+            from ane_spec.decode.draft_setup import close_drafter
+
+            close_drafter(drafter)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
@@ -278,11 +429,20 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from ane_spec.probes.gates import open_pipeline
 
     _, pipeline = open_pipeline(args.manifest, args.backend, args.precision,
-                                verify=not args.no_verify, decode_shape=args.decode_shape)
-    result = run_sweep(pipeline, lengths=args.lengths, reps=args.reps, new_tokens=args.new_tokens,
-                       source=args.source, prompts_file=args.prompts_file,
-                       ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                       progress=lambda msg: print(msg, file=sys.stderr))
+                                verify=not args.no_verify, decode_shape=args.decode_shape,
+                                prefill=args.prefill)
+    drafter = _open_drafter(args, pipeline)
+    try:
+        result = run_sweep(pipeline, lengths=args.lengths, reps=args.reps,
+                           new_tokens=args.new_tokens, source=args.source,
+                           prompts_file=args.prompts_file, ngram_min=args.ngram_min,
+                           ngram_max=args.ngram_max,
+                           progress=lambda msg: print(msg, file=sys.stderr), drafter=drafter)
+    finally:
+        if drafter is not None:
+            from ane_spec.decode.draft_setup import close_drafter
+
+            close_drafter(drafter)
     paths = write_outputs(result, args.out)
     print(json.dumps(result) if args.json else format_markdown(result))
     print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
@@ -334,7 +494,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         from ane_spec.demo import run_model_demo
 
         result = run_model_demo(args.model, args.out, backend=args.backend,
-                                max_seq=args.max_seq, max_tokens=args.max_tokens)
+                                max_seq=args.max_seq, max_tokens=args.max_tokens,
+                                draft_model=args.draft_model)
+    elif args.draft_model is not None:
+        raise AneSpecError("--draft-model goes with --model (a real model and its draft)")
     else:
         result = run_demo(args.out, backend=args.backend)
     return 0 if result["identical"] else 1
@@ -359,11 +522,17 @@ def _serve_config(args: argparse.Namespace):
 
     from ane_spec.daemon.config import ServeConfig
 
+    draft = None
+    if args.draft_model:
+        from ane_spec.manifests.store import load_manifest
+
+        draft = _draft_folder(args, load_manifest(args.manifest, verify=False))
+
     return ServeConfig.create(
         manifest=args.manifest, host=args.host, port=args.port,
         api_key=args.api_key or os.environ.get("ANE_SPEC_API_KEY"),
         backend=args.backend, precision=args.precision, decode_shape=args.decode_shape,
-        max_queue=args.max_queue,
+        prefill=args.prefill, max_queue=args.max_queue,
         speculative=not args.no_speculative, ngram_min=args.ngram_min,
         ngram_max=args.ngram_max, guard=not args.no_guard,
         max_body_bytes=args.max_body_bytes, verify=not args.no_verify,
@@ -375,7 +544,8 @@ def _serve_config(args: argparse.Namespace):
         slot_save_max_mb=args.slot_save_max_mb, draft_memory=args.draft_memory,
         draft_memory_tokens=args.draft_memory_tokens, request_timeout=args.request_timeout,
         grammar_token_ms=args.grammar_token_ms, grammar_queue=args.grammar_queue,
-        grammar_wait=args.grammar_wait)
+        grammar_wait=args.grammar_wait, draft_manifest=draft, draft_units=args.draft_units,
+        draft_mode=args.draft_mode, draft_overlap=args.draft_overlap)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -455,10 +625,26 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "or not at all (default: per-key with an API key, else shared)")
     p.add_argument("--draft-memory-tokens", type=int,
                    help="tokens of earlier requests remembered per scope (default 65536)")
+    _add_draft_args(p)
     _add_backend_args(p)
 
 
 # --- parser -----------------------------------------------------------------------------------
+
+BITS_CHOICES = ("interpreter", "row-invariance", "overflow", "parity")
+DIMENSION_CHOICES = ("mask_form", "layout", "head_layout", "prefill_t", "kv_write")
+
+
+def _names_of(allowed: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        bad = [n for n in names if n not in allowed]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"{', '.join(bad) or 'nothing'}: choose from "
+                                             f"{', '.join(allowed)}")
+        return names
+    return parse
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -481,6 +667,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --model: the build's context window (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64,
                    help="with --model: the reply's length limit (default %(default)s)")
+    p.add_argument("--draft-model", metavar="M",
+                   help="with --model: a smaller model of the same family drafts for it (a "
+                        "GGUF, a catalog name or ollama:NAME; built beside the target)")
     p.set_defaults(handler=cmd_demo)
 
     p = sub.add_parser("pull", help="download a catalog model (a real GGUF, sha256-pinned) into "
@@ -560,13 +749,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto (default): per tensor, int8 per channel where its cosine against "
                         "the file's values reaches --min-weight-cosine, else an 8-bit LUT per "
                         "group of rows, else fp16; the others force one format")
-    p.add_argument("--layout", choices=["BCT1", "BC1T"], default="BCT1",
+    p.add_argument("--tuned", metavar="TUNE_JSON",
+                   help="apply `ane-spec tune`'s choices (layout, mask form, head layout, "
+                   "prefill P, K/V write) from its tune.json; any of those flags given here "
+                   "wins over the file")
+    p.add_argument("--layout", choices=["BCT1", "BC1T"], default=None,
                    help="hidden-state layout [1,d,T,1] (ane-book, default) or [1,d,1,T] (Apple)")
-    p.add_argument("--mask-form", choices=["select", "additive"], default="select",
+    p.add_argument("--mask-form", choices=["select", "additive"], default=None,
                    help="how layers hide K/V slots: select (default; exact whatever an "
                    "overflowing row holds) or additive (clip and an added mask only, the ops "
                    "Anemll and ane-book run on the ANE; loses that exactness: see `ane-spec "
                    "doctor`, whose mask-ops check says which a Mac should use)")
+    p.add_argument("--kv-write", choices=["scatter", "slice"], default=None,
+                   help="how layers store new K/V rows: scatter (default; every pass rewrites "
+                   "the whole state, measured ANE-resident) or slice (slice_update of a window "
+                   "as wide as the pass, O(T) instead of O(S); its ANE residency is unproven "
+                   "and dynamic slice_update has crash reports, apple/coreai-torch#6)")
+    p.add_argument("--head-layout", choices=["channels", "vocab-last"], default=None,
+                   help="the LM head's logits: channels (default; [1,V,T,1], the hidden "
+                   "layout's) or vocab-last ([1,T,V], as Anemll's heads emit them: each row's "
+                   "logits contiguous, one transpose more on the device; `ane-spec tune` "
+                   "measures which is faster)")
     p.add_argument("--head-chunks", type=int, default=None,
                    help="LM-head vocabulary chunks (default: 4, or as many more as keep each "
                         "chunk within 50,016 channels)")
@@ -596,10 +799,51 @@ def build_parser() -> argparse.ArgumentParser:
                    help="build what the Neural Engine's known limits refuse (e.g. --max-seq over "
                         "16,384, an LM-head chunk over --max-head-mb); the build says each "
                         "limit it overrides")
+    p.add_argument("--prefill-t", type=int, default=None, metavar="P",
+                   help="every layer package also holds a prefill function: the same layers "
+                        "at a fixed T=P, weights stored once, one KV state for both; prompts "
+                        "then run P tokens per pass with no LM head until their last token "
+                        "(default 64, or --max-seq where shorter; 0: none, prompts at T=4)")
     p.add_argument("--no-swa-ring", action="store_true",
                    help="sliding-window layers (Gemma 3) keep full-length K/V states instead "
-                        "of rings of W + 4 slots (rounded to 32); for comparison")
+                        "of rings of W + the widest pass (4, or --prefill-t) slots, rounded to "
+                        "32; for comparison")
     p.set_defaults(handler=cmd_build)
+
+    p = sub.add_parser("tune", help="build each open variant (mask form, layout, head layout, "
+                                    "prefill P, K/V write), measure each through the backend "
+                                    "in its own process, write tune.md and tune.json (first "
+                                    "Mac run)")
+    p.add_argument("--out", required=True, help="folder for tune.json, tune.md, tune.png")
+    p.add_argument("--manifest", help="vary this build (rebuilt from its source GGUF with its "
+                   "own options, one changed at a time) instead of a synthetic model")
+    p.add_argument("--preset", default="phi4-mini",
+                   help="without --manifest: the synthetic model's widths (default %(default)s)")
+    p.add_argument("--layers", type=int, default=2, help="its layers (default %(default)s)")
+    p.add_argument("--vocab", type=int, default=None, help="its vocabulary (default: the "
+                   "preset's, so the head is the real one's size)")
+    p.add_argument("--max-seq", type=int, default=512, help="its context (default %(default)s)")
+    p.add_argument("--backend", choices=["auto", "coreml", "mil"], default="auto",
+                   help="auto (default): Core ML on macOS, else the fp16 MIL interpreter, whose "
+                   "timings are not the device's")
+    p.add_argument("--reps", type=int, default=30, help="timed passes per variant (median)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed passes first")
+    p.add_argument("--deadline", type=float, default=900.0,
+                   help="seconds a variant may take, its build included, before its process is "
+                   "killed and it reads `hung` (default %(default)g)")
+    p.add_argument("--bits", type=_names_of(BITS_CHOICES), default=list(BITS_CHOICES),
+                   help="checks per variant, comma-separated (default all: "
+                   f"{','.join(BITS_CHOICES)}); interpreter: the backend's logits against the "
+                   "fp16 interpreter's")
+    p.add_argument("--dimensions", type=_names_of(DIMENSION_CHOICES),
+                   default=list(DIMENSION_CHOICES),
+                   help=f"choices to vary (default all: {','.join(DIMENSION_CHOICES)})")
+    p.add_argument("--margin", type=float, default=0.05,
+                   help="how much faster an alternative must be to replace a default "
+                   "(default %(default)g)")
+    p.add_argument("--keep-builds", action="store_true",
+                   help="keep each variant's build under OUT/variants")
+    p.set_defaults(handler=cmd_tune)
 
     p = sub.add_parser("generate", help="generate text with a built model (speculative by default)")
     p.add_argument("--manifest", required=True)
@@ -619,6 +863,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", help="write one JSON line per pass to this file")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--no-verify", action="store_true", help="skip artifact hash checks")
+    _add_draft_args(p)
     _add_backend_args(p)
     p.set_defaults(handler=cmd_generate)
 
@@ -636,6 +881,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="local-artifacts/sweep", help="folder for JSON, Markdown, PNG")
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-verify", action="store_true")
+    _add_draft_args(p)
     _add_backend_args(p)
     p.set_defaults(handler=cmd_sweep)
 
@@ -677,8 +923,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "flexible-input guide; coremltools #2600): the decode-shape check "
                         "measures where it runs")
     p.add_argument("--json", action="store_true", help="print one JSON object with a checks list")
+    p.add_argument("--strict", action="store_true",
+                   help="the residency check wants every planned op on the Neural Engine "
+                        "(default: every conv, and 95%% of the estimated cost)")
     p.add_argument("--out", help="also write a short Markdown report to this file, and JSON "
                    "beside it (.json); both are rewritten after every check")
+    p.add_argument("--draft-model", help="also measure this draft model beside the build "
+                   "(draft-costs: c_verify, c_draft, the overlap): a GGUF, a catalog name, "
+                   "ollama:NAME or a build folder, as for serve")
+    p.add_argument("--draft-units", choices=DRAFT_UNITS, default=None,
+                   help="the draft's compute units for draft-costs (default: ane)")
     p.set_defaults(handler=cmd_doctor)
 
     probe = sub.add_parser("probe", help="gates (row-invariance, overflow, parity, block, drift, "
@@ -698,6 +952,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--gguf", help="source GGUF for parity (default: the manifest's)")
         p.add_argument("--json", action="store_true", help="one JSON object per gate")
         p.add_argument("--no-verify", action="store_true", help="skip artifact hash checks")
+        p.add_argument("--strict", action="store_true",
+                       help="residency: every planned op on the Neural Engine (default: every "
+                            "conv, and 95%% of the estimated cost, each op off it listed)")
         _add_backend_args(p)
         p.set_defaults(handler=cmd_probe_gates)
 

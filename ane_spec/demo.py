@@ -165,9 +165,11 @@ MODEL_DEMO_GATES = ("parity", "block", "residency")
 
 def run_model_demo(model: str, out: str | Path = "local-artifacts/demo", *, say=print,
                    backend: BackendName | None = None, max_seq: int = DEMO_MAX_SEQ,
-                   max_tokens: int = 64, messages: list[dict] | None = None) -> dict:
+                   max_tokens: int = 64, messages: list[dict] | None = None,
+                   draft_model: str | None = None) -> dict:
     """The demo on a real instruct model: `model` is a GGUF path, a catalog name (pulled into
-    the cache if needed) or `ollama:NAME[:TAG]`."""
+    the cache if needed) or `ollama:NAME[:TAG]`. With `draft_model` (the same kinds of name, or
+    a build folder), that model drafts beside the n-gram drafter in the speculative run."""
     from ane_spec.decode.generate import prompt_tokens
     from ane_spec.model.gguf_file import open_gguf
     from ane_spec.model.resolve import resolve_model
@@ -187,6 +189,11 @@ def run_model_demo(model: str, out: str | Path = "local-artifacts/demo", *, say=
     if not opened.tokenizer_data.chat_template:
         say("   (no chat template in the file: the built-in Phi-4-mini template renders the "
             "prompt)")
+    draft_folder = None
+    if draft_model is not None:
+        # Before the target is built: a draft of another vocabulary is refused before anything
+        # is built (a build folder given as the draft is checked when it is opened).
+        draft_folder = _draft_folder(draft_model, opened.tokenizer_data, name, max_seq, say)
     del opened
 
     artifacts = out / "build"
@@ -206,7 +213,20 @@ def run_model_demo(model: str, out: str | Path = "local-artifacts/demo", *, say=
     say(f"4. chat ({len(prompt)} prompt tokens through the model's chat template; greedy, the "
         f"same prompt with and without speculation, {pipeline.backend.describe()})")
     DecodeSession(pipeline).generate(prompt[:8], GenerateOptions(max_tokens=4))  # warm shapes
-    runs = _plain_and_speculative(pipeline, prompt, GenerateOptions(max_tokens=max_tokens))
+    drafter = None
+    if draft_folder is not None:
+        from ane_spec.decode.draft_setup import open_drafter
+
+        drafter = open_drafter(pipeline, draft_folder)
+        say(f"   draft model {draft_folder}: pass costs {drafter.costs.to_dict()}")
+    try:
+        runs = _plain_and_speculative(pipeline, prompt, GenerateOptions(max_tokens=max_tokens),
+                                      drafter)
+    finally:
+        if drafter is not None:
+            from ane_spec.decode.draft_setup import close_drafter
+
+            close_drafter(drafter)
     for m in messages:
         say(f"   --- {m['role']} " + "-" * max(0, 66 - len(m["role"])))
         say(_indent(str(m["content"])))
@@ -214,19 +234,40 @@ def run_model_demo(model: str, out: str | Path = "local-artifacts/demo", *, say=
     say(_indent(runs[False].text.strip("\n")))
     say("   " + "-" * 72)
     same, speedup = _report_runs(runs, say)
+    sources = None if drafter is None else runs[True].stats.to_dict()["draft_sources"]
+    if sources is not None:
+        say("   drafted by: " + "; ".join(
+            f"{src} {c['passes']} passes ({c['accepted']}/{c['drafted']} drafts accepted)"
+            for src, c in sources.items()))
 
     say(f"\nDone in {time.monotonic() - started:.0f}s. Serve it to any OpenAI client with:")
     say(f"   ane-spec serve --manifest {artifacts}")
     if shutil.which("ane-spec") is None:
         say(f"   ({sys.executable} -m ane_spec.cli serve --manifest {artifacts})")
     return {"identical": same, "speedup": speedup, "manifest": str(artifacts), "gguf": str(gguf),
-            "prompt_tokens": prompt, "reply": runs[False].text, "tokens": runs[False].tokens}
+            "prompt_tokens": prompt, "reply": runs[False].text, "tokens": runs[False].tokens,
+            "draft_sources": sources}
 
 
-def _plain_and_speculative(pipeline, prompt: list[int], options: GenerateOptions  # noqa: ANN001
-                           ) -> dict[bool, Any]:
-    """The same prompt decoded without (False) and with (True) speculation."""
-    return {speculative: DecodeSession(pipeline).generate(
+def _draft_folder(draft_model: str, vocab: Any, target_name: str, max_seq: int,
+                  say) -> Path:  # noqa: ANN001
+    """The draft's build folder (shards/draft_build.py), its vocabulary checked against the
+    target's (`vocab`) before it is built."""
+    from ane_spec.model.vocab_compat import check_draft_vocab
+    from ane_spec.shards.draft_build import draft_build
+
+    def check(draft_vocab: Any, draft_name: str) -> None:
+        check_draft_vocab(vocab, draft_vocab, target_name=target_name, draft_name=draft_name)
+
+    return draft_build(draft_model, max_seq=max_seq, say=lambda m: say(f"   {m}"), check=check)
+
+
+def _plain_and_speculative(pipeline, prompt: list[int], options: GenerateOptions,  # noqa: ANN001
+                           drafter: Any = None) -> dict[bool, Any]:
+    """The same prompt decoded without (False) and with (True) speculation (`drafter`: the
+    speculative run's, default the n-gram drafter)."""
+    return {speculative: (DecodeSession(pipeline, drafter=drafter) if speculative and drafter
+                          else DecodeSession(pipeline)).generate(
         prompt, options.model_copy(update={"speculative": speculative}))
         for speculative in (False, True)}
 
@@ -234,7 +275,7 @@ def _plain_and_speculative(pipeline, prompt: list[int], options: GenerateOptions
 def _report_runs(runs: dict[bool, Any], say, where: str = "") -> tuple[bool, float]:  # noqa: ANN001
     """Both runs' stats, whether their tokens are identical, and the speed-up."""
     for speculative, label in ((False, "greedy, one token per pass"),
-                               (True, "speculative (n-gram drafts + T=4 verify)")):
+                               (True, "speculative (drafts + T=4 verify)")):
         say(f"   {label}: {runs[speculative].stats.summary()}")
     same = runs[True].tokens == runs[False].tokens
     plain_rate = runs[False].stats.to_dict()["decode_tok_s"]

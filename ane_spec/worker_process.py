@@ -34,6 +34,7 @@ import logging
 import math
 import multiprocessing
 import multiprocessing.util  # noqa: F401 - its exit hook must be registered before ours
+import os
 import pickle
 import signal
 import sys
@@ -264,7 +265,7 @@ def _serve(conn: Any, channel: Channel, factory: Callable[[Channel], Any]) -> No
         method, args, arrays_in, out = message
         if method == "__stop__":
             conn.send(("ok", None))
-            return
+            _exit_at_once()
         if method == "__cpu__":  # the worker's CPU seconds so far (benchmarks)
             conn.send(("ok", time.process_time()))
             continue
@@ -300,6 +301,20 @@ def _serve(conn: Any, channel: Channel, factory: Callable[[Channel], Any]) -> No
             conn.send(("arrays", (result, specs)))
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
             conn.send(("error", _portable(exc)))
+
+
+def _exit_at_once() -> None:
+    """End the worker without interpreter shutdown: Core ML may still hold buffers that the
+    handler's objects own (an input it has not unbound yet, a state), and a normal exit would
+    free them, module by module, while Core ML's queues run. Workers this one started are
+    stopped first (their own pipes would end them anyway), and what was printed is flushed."""
+    _close_all()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream: nothing to flush
+            pass
+    os._exit(0)
 
 
 @dataclass
@@ -363,6 +378,12 @@ class WorkerProcess:
         """How many workers have been started: state made in an earlier one is gone."""
         return self._starts
 
+    def runs(self, generation: int) -> bool:
+        """Whether the worker started as `generation` is still the one calls go to: no later
+        one started, and it was not found dead (nor closed) since. What lived in it is gone
+        otherwise, even before the next call starts a fresh worker."""
+        return self._proc is not None and self._starts == generation
+
     def start(self) -> None:
         """Start the worker (and run `on_start`) unless it runs; idempotent."""
         with self._lock:
@@ -396,15 +417,16 @@ class WorkerProcess:
                     self._starting = False
 
     def call(self, method: str, *args: Any, during: str | None = None,
-             arrays: dict[str, np.ndarray] | None = None) -> Any:
+             arrays: dict[str, np.ndarray] | None = None, reply_bytes: int = 0) -> Any:
         """`handler.method(*args)` in the worker (started first if it is not running). With
         `arrays`, they reach the handler as its `arrays` keyword through shared memory; a
         handler returning `Outputs` gives back (value, arrays), the arrays viewing shared
-        memory that stays theirs until they are dropped."""
+        memory that stays theirs until they are dropped. `reply_bytes`: the size of the
+        arrays the reply is known to carry, so that the handler can write them in one trip."""
         with self._lock:
             if self._proc is None:
                 self.start()
-            slab = self.arrays.output_slab()
+            slab = self.arrays.output_slab(reply_bytes)
             shipped = None if arrays is None else self.arrays.put(arrays)
             self._send((method, args, shipped, (slab.name, slab.size)), during or method)
             kind, payload = self._receive(during or method)

@@ -2,6 +2,13 @@
 
     python scripts/bench_build.py [--preset phi4-mini|llama-3.2-1b|llama-3.2-3b|qwen2.5-3b|qwen3-4b]
                                   [--gguf PATH] [--out DIR] [--topology auto|18,14] [--keep]
+                                  [--no-baseline]
+
+Beside the build, in the same run, it times the build's yardstick (scripts/requant_baseline.py:
+a plain numpy pass requantizing every matrix of the same file to int8 per channel) and prints
+build / baseline, wall and CPU: issue 33's target is a build within 1.5x of that pass. The
+machine is shared, so the load average is recorded before each child, and CPU seconds (which
+other sessions' load disturbs far less than wall time) beside each wall time.
 
 Writes the synthetic GGUF first if it is missing (phi4-mini: 4.1 GB, about 80 s). Synth and build
 each run in a child process that reports its own VmHWM (`ane_spec.peak_memory`), so neither
@@ -17,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -36,15 +44,43 @@ sys.exit(rc)
 """
 
 
+# The same for the numpy baseline (argv[2]: the GGUF).
+_BASELINE_CHILD = """
+import sys
+sys.path.insert(0, sys.argv[3])
+from requant_baseline import main
+from ane_spec.peak_memory import peak_rss_bytes
+rc = main(sys.argv[2:3])
+open(sys.argv[1], "w").write(str(peak_rss_bytes()))
+sys.exit(rc)
+"""
+
+
 def run_measured(cli_args: list[str]) -> tuple[float, int]:
     """Run `ane-spec ARGS` in a child; return its wall seconds and peak RSS bytes."""
+    wall, peak, _ = _run_child(_MEASURED_CHILD, cli_args, f"ane-spec {cli_args[0]}")
+    return wall, peak
+
+
+def run_baseline(gguf: Path) -> tuple[float, int, float]:
+    """The numpy requantization pass over `gguf` in a child: wall s, peak RSS bytes, CPU s."""
+    return _run_child(_BASELINE_CHILD, [str(gguf), str(Path(__file__).resolve().parent)],
+                      "the numpy baseline")
+
+
+def _run_child(code: str, args: list[str], what: str) -> tuple[float, int, float]:
+    """Wall seconds, peak RSS bytes (the child's own VmHWM; children it starts are not in it)
+    and CPU seconds of `python -c CODE PEAKFILE ARGS`."""
     with tempfile.NamedTemporaryFile("r", suffix=".peak") as peak:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.monotonic()
-        child = subprocess.run([sys.executable, "-c", _MEASURED_CHILD, peak.name, *cli_args])
+        child = subprocess.run([sys.executable, "-c", code, peak.name, *args])
         if child.returncode:
-            sys.exit(f"ane-spec {cli_args[0]} failed (exit {child.returncode}); see above")
+            sys.exit(f"{what} failed (exit {child.returncode}); see above")
         wall = time.monotonic() - start
-        return wall, int(Path(peak.name).read_text())
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        return wall, int(Path(peak.name).read_text()), cpu
 
 
 def main() -> None:
@@ -58,12 +94,18 @@ def main() -> None:
     ap.add_argument("--weights", default="int8-channel")
     ap.add_argument("--keep", action="store_true",
                     help="keep the GGUF and the build (default: delete what this run wrote)")
+    ap.add_argument("--no-baseline", action="store_true",
+                    help="skip the numpy requantization pass (and the ratio)")
+    ap.add_argument("--build-arg", action="append", default=[],
+                    help="one more argument for `ane-spec build` (repeatable), e.g. "
+                         "--build-arg=--residual-scale --build-arg=off")
     args = ap.parse_args()
 
     gguf = Path(args.gguf or f"local-artifacts/{args.preset}-synth.gguf")
     out = Path(args.out or f"local-artifacts/bench-build-{args.preset}")
     topology = args.topology
-    report: dict[str, object] = {"benchmark": "build", "preset": args.preset, "gguf": str(gguf),
+    report: dict[str, object] = {"benchmark": "build",
+                                 "preset": None if args.gguf else args.preset, "gguf": str(gguf),
                                  "topology": topology, "max_seq": args.max_seq,
                                  "weights": args.weights, "load_average": os.getloadavg()[0]}
     wrote_gguf = not gguf.exists()
@@ -77,11 +119,25 @@ def main() -> None:
     # --force with a previous build would reuse its shards; remove it so everything is built.
     subprocess.run(["rm", "-rf", str(out)], check=True)
     try:
-        wall, peak = run_measured(["build", str(gguf), "--out", str(out), "--topology", topology,
-                                   "--max-seq", str(args.max_seq), "--weights", args.weights])
+        if not args.no_baseline:
+            load = os.getloadavg()[0]
+            wall, peak, cpu = run_baseline(gguf)
+            report["baseline"] = {"what": "numpy requantization to int8 per channel",
+                                  "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
+                                  "peak_rss_gb": round(peak / 1e9, 2), "load_average": load}
+        load = os.getloadavg()[0]
+        wall, peak, cpu = _run_child(_MEASURED_CHILD, [
+            "build", str(gguf), "--out", str(out), "--topology", topology, "--max-seq",
+            str(args.max_seq), "--weights", args.weights, *args.build_arg], "ane-spec build")
         manifest = json.loads((out / "manifest.json").read_text())
-        report["build"] = {"wall_s": round(wall, 1), "peak_rss_gb": round(peak / 1e9, 2),
+        report["build"] = {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
+                           "peak_rss_gb": round(peak / 1e9, 2), "load_average": load,
                            "shards": ",".join("{}:{}".format(*s["layers"]) for s in manifest["shards"])}
+        if "baseline" in report:
+            base = report["baseline"]
+            report["build_over_baseline"] = {"wall": round(wall / base["wall_s"], 2),
+                                             "cpu": round(cpu / base["cpu_s"], 2),
+                                             "target": 1.5}
     finally:
         if not args.keep:
             subprocess.run(["rm", "-rf", str(out)], check=True)

@@ -22,7 +22,8 @@ import time
 
 import numpy as np
 
-from ane_spec.model.tokenizer import TOKEN_CONTROL, Tokenizer
+from ane_spec.model.token_types import TOKEN_CONTROL
+from ane_spec.model.tokenizer import Tokenizer
 from ane_spec.model.vocab import SPECIAL_TOKENS_FROM_END, build_synthetic_vocab
 
 V = 200064

@@ -44,7 +44,8 @@ from ane_spec.model.gguf_writer import TensorSource, longrope_factor_tensors, wr
 from ane_spec.model.reference import ReferenceModel, apply_rope, rms_norm
 from ane_spec.model.rope import make_rope_spec
 from ane_spec.model.stdlib_corpus import corpus_sha256, split, stdlib_corpus
-from ane_spec.model.tokenizer import Tokenizer, TokenizerData
+from ane_spec.model.tokenizer import Tokenizer
+from ane_spec.model.tokenizer_data import TokenizerData
 from ane_spec.model.vocab import build_trained_vocab
 
 HEAD_DIM = 64  # KV state rows of 64 are a multiple of 32, as the ANE shards need

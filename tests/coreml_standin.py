@@ -17,9 +17,15 @@ JIT specialisation, memory.
 Round 3 (issue 28) rules, each cited where it is enforced; the ones that cost time or kill the
 process are switched on by a test through `set_rules(...)` or, for worker processes, the
 ANE_SPEC_STANDIN_RULES environment variable (JSON):
-- input lifetime: an array given to `predict` or `write_state` that dies within
-  LIFETIME_SECONDS of the call returning is an error at the next native call (coremltools
-  PRs #2827, #2829) - always on;
+- input lifetime: an array given to `predict` that dies within LIFETIME_SECONDS of the call
+  returning is an error at the next native call (coremltools PRs #2827, #2829) - always on;
+- autorelease pools (issue 35): `State::readState`/`writeState` have no @autoreleasepool
+  (CoreMLPython.mm); what they autorelease (writeState's MLFeatureValue, which holds the written
+  array; a copy of the state per read, the worst case) stays in the caller's innermost pool,
+  or in `unreleased` for good where none is open. `StandinObjC` stands in for libobjc's
+  objc_autoreleasePoolPush/Pop, which runtime/autorelease.py opens - always on; `leak_reads`:
+  each read's copy goes to `unreleased` whatever pool is open (the leak that a read with no
+  pool around it would be; the doctor's `state-reads` check must catch it);
 - the GIL is held for the whole of every native call (`gil_seconds`, `first_call_seconds` per
   input shape, `load_seconds`): a ctypes.PyDLL sleep, which never releases it;
 - MLComputeDevice.get_all_compute_devices() lists a CPU, a GPU and a 16-core Neural Engine;
@@ -32,8 +38,34 @@ ANE_SPEC_STANDIN_RULES environment variable (JSON):
 - `replay` (benchmarks only): a prediction at shapes seen before returns the first result
   again without computing, so what is timed is the host side and the bridge's copies;
 - injected failures: `kill_at_first_predict` (a load that "succeeds" and a first predict that
-  SIGKILLs the process, #2758), `kill_at_predict` (the n-th predict of this process), and
+  SIGKILLs the process, #2758; the pattern is matched against "<package>#<function>", so
+  "#prefill" fails one function's compile only), `kill_at_predict` (the n-th predict of this
+  process; either only once per `kill_once_file`), and
   `code8_at_predict` ("ANE inference error Code=8").
+
+Round 5 (issue 35: verdicts that must not lie on a Mac):
+- `small_program_elements`: a program whose inputs, outputs and states all hold fewer elements
+  is placed on the CPU whatever its ops (others report it at a few million elements);
+- under reshapeFrequency Infrequent a RangeDim input at a shape other than its default runs off
+  the Neural Engine (coremltools #2370: "a model with RangeDim input runs on the Neural Engine
+  only with the default shape"): `placement` says so per call - always on;
+- a `plan_devices` table's "costs" give each op an MLComputePlanCost weight (its share of its
+  function's cost), so a plan with some ops on the CPU exercises the residency gate's cost rule.
+
+Round 4 (issue 33: multifunction layer packages, a decode and a prefill function):
+- `function_name` chooses the function a CompiledMLModel loads (macOS 15); none loads the
+  default; a name the package lacks fails the load (`_function_to_load`);
+- a state made by one model is accepted by another's predict only when the two declare the same
+  states, names, shapes and element types (`StandinModel.predict`, after Anemll's practice);
+- the compute plan holds every function, and `plan_devices` may place one function's ops apart
+  (`StandinComputePlan`).
+
+Round 6 (issue 34: the draft model on its own compute units):
+- `load_log` (a file path) records every model load, in whichever process it happens, as one
+  JSON line: the compiled model's path, the function, the compute units and the optimization
+  hints, as `CompiledMLModel.__init__` hands them to the bridge (coremltools 9.0
+  models/_compiled_model.py: `_MLModelProxy(path, compute_units.name, function_name,
+  optimization_hints_str_vals, asset_proxy)`); `loads(path)` reads it back.
 """
 
 from __future__ import annotations
@@ -103,6 +135,61 @@ def _hold_gil(seconds: float) -> None:
         import ctypes
 
         ctypes.PyDLL(None).usleep(int(seconds * 1e6))
+
+
+# --- autorelease pools ---------------------------------------------------------------------------
+# What a native call autoreleases goes to the innermost pool its thread has open, and is released
+# when that pool is popped (objc_autoreleasePoolPop); with none open, to a pool that a Python
+# thread never drains while it runs: `unreleased` counts those, and keeps them (real memory, as
+# on a Mac, so an RSS watch sees it).
+
+_threads = __import__("threading").local()
+unreleased: list[Any] = []
+
+
+def _pools() -> list[list[Any]]:
+    if not hasattr(_threads, "pools"):
+        _threads.pools = []
+    return _threads.pools
+
+
+def _autorelease(obj: Any) -> None:
+    pools = _pools()
+    (pools[-1] if pools else unreleased).append(obj)
+
+
+class _PoolFunction:
+    """A C function of libobjc as ctypes gives it (it takes `restype` and `argtypes`)."""
+
+    def __init__(self, call: Any):
+        self.call, self.restype, self.argtypes = call, None, None
+
+    def __call__(self, *args: Any) -> Any:
+        return self.call(*args)
+
+
+def _push() -> int:
+    # objc_autoreleasePoolPush returns an opaque token (void *); the stand-in's is the depth.
+    pools = _pools()
+    pools.append([])
+    return len(pools)
+
+
+def _pop(token: int) -> None:
+    # objc_autoreleasePoolPop(token) releases every object autoreleased since that push, inner
+    # pools included.
+    pools = _pools()
+    if not isinstance(token, int) or not 1 <= token <= len(pools):
+        raise AssertionError(f"objc_autoreleasePoolPop with a token never pushed: {token!r}")
+    del pools[token - 1:]
+
+
+class StandinObjC:
+    """libobjc.A.dylib's pool functions, as `ctypes.PyDLL` opens them (runtime/autorelease.py)."""
+
+    def __init__(self) -> None:
+        self.objc_autoreleasePoolPush = _PoolFunction(_push)
+        self.objc_autoreleasePoolPop = _PoolFunction(_pop)
 
 
 def _check_lifetimes() -> None:
@@ -231,6 +318,28 @@ def _source_package(compiled: str) -> Path:
     return package
 
 
+def _function_to_load(package: Path, function_name: str) -> str:
+    """The function `Model::Model` (CoreMLPython.mm) has Core ML load: it sets
+    `MLModelConfiguration.functionName` only for a non-empty name (CompiledMLModel passes "" for
+    None, models/_compiled_model.py), and Core ML then loads the model's default function
+    (Apple: "Use nil to use a default function"). A name the model lacks fails the load
+    (`modelWithContentsOfURL:configuration:error:` -> `Utils::handleError`, a RuntimeError):
+    coremltools 9.0's own test expects exactly that ("invalid function error at runtime",
+    converters/mil/backend/mil/test_load.py, test_multi_functions_backward_compatibility); a
+    one-function model loads by the name `main` (the same test), and only by that name."""
+    import coremltools as ct
+
+    desc = ct.models.MLModel(str(package), skip_model_load=True).get_spec().description
+    names = [f.name for f in desc.functions] or ["main"]
+    if not function_name:
+        return desc.defaultFunctionName or names[0]
+    if function_name not in names:
+        # Core ML's own wording is not documented; the error's type and place are.
+        raise ns_error(f"Failed to load the model: no function named {function_name!r} "
+                       f"(the model has {', '.join(names)}) [stand-in wording]")
+    return function_name
+
+
 class _Description:
     """The model description Core ML checks every prediction's features against."""
 
@@ -241,13 +350,17 @@ class _Description:
         for fdesc in desc.functions:  # multifunction packages describe each function
             if fdesc.name == function:
                 desc = fdesc
+        self.function = function
         self.inputs: dict[str, tuple[tuple[int, ...], tuple[tuple[int, int], ...]]] = {}
         for f in desc.input:
             arr = f.type.multiArrayType
             ranges = tuple((int(r.lowerBound), int(r.upperBound))
                            for r in arr.shapeRange.sizeRanges)
             self.inputs[f.name] = (tuple(int(d) for d in arr.shape), ranges)
-        self.states = {s.name: tuple(int(d) for d in s.type.stateType.arrayType.shape)
+        # Each state's name, shape and element type: what a state made by another model must
+        # match to be used here (see StandinModel.predict).
+        self.states = {s.name: (tuple(int(d) for d in s.type.stateType.arrayType.shape),
+                                int(s.type.stateType.arrayType.dataType))
                        for s in desc.state}
 
     def check_inputs(self, features: dict[str, np.ndarray]) -> None:
@@ -292,11 +405,19 @@ class StandinState:
 
     def read_state(self, name: str) -> np.ndarray:
         # State::readState: the macOS 15 gate, then convertArrayValueToPython(buffer): a float32
-        # copy of the fp16 state.
+        # copy of the fp16 state. readState has no @autoreleasepool (CoreMLPython.mm), unlike
+        # predict: what Core ML autoreleases inside getMultiArrayForStateNamed:handler: goes to
+        # the caller's pool. Which objects those are is not documented; the stand-in takes the
+        # worst case (issue 35): a copy of the state's buffer per read (`_autorelease`).
         _need_macos((15, 0), "Reading state is only available on macOS >= 15.0")
         _check_lifetimes()
         _hold_gil(_rules.get("gil_seconds", 0.0))
-        return _array_to_python(self._buffer(name))
+        buffer = self._buffer(name)
+        if _rules.get("leak_reads"):  # as if no pool were open around the call: never freed
+            unreleased.append(np.array(buffer))
+        else:
+            _autorelease(np.array(buffer))
+        return _array_to_python(buffer)
 
     def write_state(self, name: str, value: Any) -> None:
         # State::writeState: macOS 15 gate; `Utils::convertValueToObjC(value)` (so only int32,
@@ -311,12 +432,15 @@ class StandinState:
         if tuple(array.shape) != buffer.shape:
             raise RuntimeError(f"transferToMultiArray: shape {array.shape} does not match the "
                                f"destination shape {buffer.shape} of state {name!r}")
-        # The wrapper convertValueToObjC made holds the array too (PybindCompatibleArray), and
-        # writeState has no autorelease pool of its own: the same lifetime rule as predict's.
-        returned = _watch([array], "write_state")
         _hold_gil(_rules.get("gil_seconds", 0.0))
+        # The copy is synchronous: transferToMultiArray runs inside the handler block, before
+        # writeState returns (CoreMLPython.mm). What still holds the array after it is the
+        # MLFeatureValue that convertValueToArray made (CoreMLPythonUtils.mm:
+        # `[MLFeatureValue featureValueWithMultiArray:array]`, a convenience constructor, so
+        # autoreleased) around the PybindCompatibleArray that keeps the py::array: it lives
+        # until the caller's autorelease pool drains, and forever on a thread with none.
         buffer[...] = _flush_subnormals(array).astype(np.float16)
-        returned()
+        _autorelease(array)
 
 
 class StandinModel:
@@ -337,8 +461,8 @@ class StandinModel:
             _need_macos((15, 0), "The 'functionName' property can only be set on macOS >= 15.0")
         self.compute_units = compute_units
         self.optimization_hints = dict(optimization_hints)
-        function = function_name or "main"
         package = _source_package(compiled)
+        function = _function_to_load(package, function_name)
         self.description = _Description(package, function)
         self.interp = MILInterpreter.from_package(package, precision="fp16", function=function)
         self.package = str(package)
@@ -354,8 +478,14 @@ class StandinModel:
         self.placement = ("CPU: not on the ANE (reshapeFrequency Frequent with a RangeDim "
                           "input)" if flexible and frequent and compute_units in (
                               "CPU_AND_NE", "ALL") else "as planned")
+        if _small_program(package) and compute_units != "CPU_ONLY":
+            self.placement = "CPU: a small program (small_program_elements)"
         placements[compiled] = self.placement
-        self.kill_first = _matches(_rules.get("kill_at_first_predict"), self.package)
+        self.compiled = compiled
+        _log_load(url, compute_units, function, self.optimization_hints)
+        # Matched against "<package>#<function>": "#prefill" fails one function's compile only.
+        self.kill_first = _matches(_rules.get("kill_at_first_predict"),
+                                   f"{self.package}#{function}")
         if self.kill_first:
             # coremltools #2758: the ANE compiler's failure goes to stderr and the load returns.
             print("E5RT encountered an STL exception. msg = MILCompilerForANE error: failed to "
@@ -379,7 +509,7 @@ class StandinModel:
         _check_lifetimes()
         global _predicts
         _predicts += 1
-        if self.kill_first or (_predicts == _rules.get("kill_at_predict") and _first_time()):
+        if (self.kill_first or _predicts == _rules.get("kill_at_predict")) and _first_time():
             # #2758: "the first predict() silently kills the whole host process with SIGKILL".
             os.kill(os.getpid(), signal.SIGKILL)
         if _predicts == _rules.get("code8_at_predict"):
@@ -391,16 +521,26 @@ class StandinModel:
                            "Error Domain=com.apple.appleneuralengine Code=8)")
         shapes = tuple(sorted((k, v.shape) for k, v in features.items()))
         first = shapes not in self.shapes_seen
+        self._place_shape(features)
         self.shapes_seen.add(shapes)
         if state is not None:
-            # predictionFromFeatures:usingState: needs macOS 15. The state must come from the
-            # model's newState; Core ML's own check is undocumented, so the stand-in checks only
-            # what it can: a stand-in state holding exactly this model's states.
+            # predictionFromFeatures:usingState: needs macOS 15. A state made by another model
+            # (another function of the package, or another package) is used in practice where
+            # both declare the same states: Anemll makes one state from its `prefill` function
+            # and predicts with it on every chunk's `infer` and `prefill` functions
+            # (Anemll/Anemll tests/chat.py, create_unified_state, run_prefill,
+            # generate_next_token). Core ML's own check is undocumented, so the stand-in accepts
+            # exactly that: a state whose names, shapes and element types all match this
+            # model's, and refuses any other.
             _need_macos((15, 0), "Stateful predictions using MLState are only supported on "
                         "macOS >= 15.0")
-            if not isinstance(state, StandinState) or state.owner.description.states != (
-                    self.description.states):
-                raise RuntimeError("The state was not created by this model (makeState).")
+            if not isinstance(state, StandinState):
+                raise RuntimeError("The state was not created by a model (makeState).")
+            if state.owner.description.states != self.description.states:
+                raise RuntimeError(
+                    f"The state's descriptions (name: shape, type) "
+                    f"{_states_text(state.owner.description.states)} do not match this "
+                    f"model's {_states_text(self.description.states)} [stand-in wording]")
         elif self.description.states:
             # A stateful model predicted without a state: Core ML's own error, as coremltools
             # #2519 shows it (one state named; the stand-in names the first).
@@ -430,6 +570,23 @@ class StandinModel:
         # Utils::featuresToDict -> convertArrayValueToPython: fp16 outputs come back float32.
         return {name: _array_to_python(_flush_subnormals(np.asarray(v)))
                 for name, v in out.items()}
+
+    def _place_shape(self, features: dict[str, np.ndarray]) -> None:
+        """coremltools #2370: under reshapeFrequency Infrequent a RangeDim model runs on the
+        Neural Engine only at its default shape (the description's shape); any other shape
+        runs off it. Recorded per call in `placement` (and `placements`); values unchanged."""
+        if self.optimization_hints.get("reshapeFrequency", "Infrequent") != "Infrequent" or (
+                self.compute_units not in ("CPU_AND_NE", "ALL")) or (
+                self.placement.startswith("CPU: a small")):
+            return
+        off = [name for name, value in features.items()
+               if self.description.inputs[name][1]
+               and any(lo != hi for lo, hi in self.description.inputs[name][1])
+               and tuple(value.shape) != self.description.inputs[name][0]]
+        self.placement = (f"CPU: not on the ANE (input {off[0]} at a shape other than its "
+                          "RangeDim default under reshapeFrequency Infrequent, coremltools "
+                          "#2370)" if off else "as planned")
+        placements[self.compiled] = self.placement
 
     def batchPredict(self, data: list) -> list:  # noqa: N802 - the bridge's name
         return [self.predict(d) for d in data]
@@ -472,6 +629,42 @@ class StandinModel:
                 cd.MLNeuralEngineComputeDevice(StandinNeuralEngineDevice())]
 
     get_available_compute_devices = get_all_compute_devices
+
+
+def _states_text(states: dict[str, tuple[tuple[int, ...], int]]) -> str:
+    from coremltools.proto import FeatureTypes_pb2 as ft
+
+    return "{" + ", ".join(f"{name}: {list(shape)} "
+                           f"{ft.ArrayFeatureType.ArrayDataType.Name(dtype)}"
+                           for name, (shape, dtype) in sorted(states.items())) + "}"
+
+
+def _log_load(url: str, compute_units: str, function: str, hints: dict) -> None:
+    """`load_log`: one JSON line per load (module docstring, round 6). Each line is written
+    with one O_APPEND write, so lines from concurrent processes never interleave."""
+    path = _rules.get("load_log")
+    if not path:
+        return
+    import json
+
+    line = json.dumps({"url": url, "compute_units": compute_units, "function": function,
+                       "hints": hints, "pid": os.getpid()}) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def loads(path: str | Path) -> list[dict[str, Any]]:
+    """The loads `load_log` recorded at `path` (none if nothing was loaded)."""
+    import json
+
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line]
 
 
 def _first_time() -> bool:
@@ -521,9 +714,12 @@ def _set_optimization_hints(hints: dict) -> None:
 
 # --- compute plan: structure only --------------------------------------------------------------
 
-def _structure(package: Path):
+def _structure(package: Path, owners: dict[int, str] | None = None):
     """MLModelStructure of the package's program: every op of every function, as the bridge's
-    toPythonObject(MLModelStructure) builds it (models/compute_plan.py dataclasses)."""
+    toPythonObject(MLModelStructure) builds it (models/compute_plan.py dataclasses): its
+    toPythonObject(MLModelStructureProgram) puts each of `program.functions` in a dict by name,
+    and Model::getComputePlan loads the plan with no functionName, so one plan holds every
+    function of a multifunction model. `owners`, if given, gets id(op) -> its function's name."""
     import coremltools as ct
     from coremltools.converters.mil.frontend.milproto.load import load
     from coremltools.models import compute_plan as cp
@@ -536,7 +732,7 @@ def _structure(package: Path):
         return cp.MLModelStructureProgramNamedValueType(name=var.name,
                                                         type=cp.MLModelStructureProgramValueType())
 
-    def block(blk) -> cp.MLModelStructureProgramBlock:
+    def block(blk, function: str) -> cp.MLModelStructureProgramBlock:
         block_inputs = blk.inputs.values() if isinstance(blk.inputs, dict) else blk.inputs
         ops = []
         for op in blk.operations:
@@ -548,17 +744,35 @@ def _structure(package: Path):
             ops.append(cp.MLModelStructureProgramOperation(
                 inputs=inputs, operator_name=op.op_type,
                 outputs=[named(v) for v in op.outputs],
-                blocks=[block(b) for b in getattr(op, "blocks", [])], __proxy__=None))
+                blocks=[block(b, function) for b in getattr(op, "blocks", [])], __proxy__=None))
+            if owners is not None:
+                owners[id(ops[-1])] = function
         return cp.MLModelStructureProgramBlock(
             inputs=[named(v) for v in block_inputs], operations=ops,
             output_names=[v.name for v in blk.outputs])
 
     functions = {name: cp.MLModelStructureProgramFunction(
-        inputs=[named(v) for v in fn.inputs.values()], block=block(fn))
+        inputs=[named(v) for v in fn.inputs.values()], block=block(fn, name))
         for name, fn in program.functions.items()}
     return cp.MLModelStructure(neuralnetwork=None,
                                program=cp.MLModelStructureProgram(functions=functions),
                                pipeline=None)
+
+
+def _small_program(package: Path) -> bool:
+    """`small_program_elements` (a count): a program none of whose inputs, outputs or states
+    reaches that many elements is placed on the CPU whatever its ops, by the compute plan and
+    in `placement` (issue 35: reported by others at a few million elements; Core ML's choice
+    is undocumented, so the threshold is the test's)."""
+    limit = _rules.get("small_program_elements")
+    if not limit:
+        return False
+    import coremltools as ct
+
+    desc = ct.models.MLModel(str(package), skip_model_load=True).get_spec().description
+    sizes = [int(np.prod(f.type.multiArrayType.shape)) for f in [*desc.input, *desc.output]]
+    sizes += [int(np.prod(s.type.stateType.arrayType.shape)) for s in desc.state]
+    return max(sizes, default=0) < limit
 
 
 class StandinCPUDevice:
@@ -581,20 +795,32 @@ class StandinComputePlan:
     every op, i.e. "unplanned": the stand-in does not know where Core ML would place anything.
     With the `plan_devices` rule ({"default": "NeuralEngine", "ops": {"select": "CPU"}}) each
     non-const op gets the device of its type from that table, so residency's pass and fail
-    branches both run; consts stay None, as Core ML leaves them (ane-platform-notes)."""
+    branches both run; consts stay None, as Core ML leaves them (ane-platform-notes). The
+    table's "functions" ({"prefill": {"ops": {...}, "default": ...}}) overrides it for the ops
+    of one function of a multifunction model."""
 
     def __init__(self, package: Path):
-        self.model_structure = _structure(package)
+        self.owners: dict[int, str] = {}  # id(op) -> the function it belongs to
+        self.model_structure = _structure(package, self.owners)
+        self.small = _small_program(package)
+
+    @staticmethod
+    def _dispatched(operation) -> bool:  # noqa: ANN001
+        return operation.operator_name != "const" and not (
+            operation.operator_name.startswith("constexpr_"))
 
     def get_compute_device_usage_for_mlprogram_operation(self, operation):  # noqa: ANN001, ANN201
         table = _rules.get("plan_devices")
-        if not table or operation.operator_name == "const" or (
-                operation.operator_name.startswith("constexpr_")):
+        if not table or not self._dispatched(operation):
             return None
         from coremltools.models import compute_device as cd
         from coremltools.models.compute_plan import MLComputePlanDeviceUsage
 
-        name = table.get("ops", {}).get(operation.operator_name, table.get("default"))
+        own = table.get("functions", {}).get(self.owners.get(id(operation)), {})
+        ops = table.get("ops", {}) | own.get("ops", {})
+        name = ops.get(operation.operator_name, own.get("default", table.get("default")))
+        if self.small:  # a small program goes to the CPU whatever its ops (_small_program)
+            name = "CPU"
         if name is None:
             return None
         device = {"CPU": lambda: cd.MLCPUComputeDevice(StandinCPUDevice()),
@@ -607,8 +833,25 @@ class StandinComputePlan:
     def get_compute_device_usage_for_neuralnetwork_layer(self, layer) -> None:
         return None
 
-    def get_estimated_cost_for_mlprogram_operation(self, operation) -> None:
-        return None
+    def get_estimated_cost_for_mlprogram_operation(self, operation):  # noqa: ANN001, ANN201
+        """With a `plan_devices` table that has "costs" ({op type: relative cost, "default":
+        ...}), each dispatched op's MLComputePlanCost: its cost over its function's total, a
+        weight in [0, 1] as Core ML gives it (coremltools models/compute_plan.py: "the
+        estimated workload of executing the operation over the total model execution");
+        None otherwise, as for a const."""
+        costs = (_rules.get("plan_devices") or {}).get("costs")
+        if not costs or not self._dispatched(operation):
+            return None
+        from coremltools.models.compute_plan import MLComputePlanCost
+
+        function = self.owners.get(id(operation))
+
+        def cost(op) -> float:  # noqa: ANN001
+            return float(costs.get(op.operator_name, costs.get("default", 1.0)))
+
+        ops = [op for fn, f in self.model_structure.program.functions.items() if fn == function
+               for op in f.block.operations if self._dispatched(op)]
+        return MLComputePlanCost(weight=cost(operation) / sum(cost(op) for op in ops))
 
 
 # --- installing ----------------------------------------------------------------------------------
@@ -653,7 +896,12 @@ def install(patch: Any = _Permanent, macos: tuple[int, ...] = DEFAULT_MACOS) -> 
     lifetime_violations.clear()
     placements.clear()
     _predicts = 0
+    unreleased.clear()
+    _pools().clear()
     module = native_module()
+    import ane_spec.runtime.autorelease as autorelease
+
+    patch.setattr(autorelease, "open_library", StandinObjC)
     patch.setattr(sys, "platform", "darwin")
     for mod in (utils, model, compiled_model):
         patch.setattr(mod, "_macos_version", lambda: _macos)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
+from scipy import stats
 
 from ane_spec.decode.session import DecodeSession, GenerateOptions
 from ane_spec.runtime.pipeline import ShardPipeline
@@ -26,3 +29,14 @@ def assert_speculative_equals_greedy(pipeline: ShardPipeline, *, token_limit: in
         accepted += spec_out.stats.accepted
     print(label, "distinct per 20:", distinct, "accepted", accepted)
     assert np.median(distinct) >= 5 and accepted > 0
+
+
+def assert_same_distribution(a: Counter, b: Counter, alpha: float = 1e-3) -> None:
+    """Two samples of tokens from one distribution: a two-sample chi-square (contingency) test,
+    columns with fewer than 10 draws pooled so every expected cell is >= 5."""
+    keys = sorted(set(a) | set(b))
+    table = np.array([[a[k] for k in keys], [b[k] for k in keys]], float)
+    big = table.sum(0) >= 10
+    pooled = np.column_stack([table[:, big], table[:, ~big].sum(1)])
+    assert pooled.shape[1] >= 3, "the temperature should spread the samples"
+    assert stats.chi2_contingency(pooled).pvalue > alpha

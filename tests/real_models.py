@@ -9,7 +9,11 @@ With ANE_SPEC_OFFLINE=1 a model that is not cached skips its tests instead of fa
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -46,11 +50,37 @@ def qwen_coder_gguf() -> Path:
 REAL_MAX_SEQ = 1024
 
 
+def _run_folder(factory: pytest.TempPathFactory) -> Path:
+    """A folder of this run that all its xdist workers share: each worker's basetemp sits in
+    the run's (pytest-xdist's recipe for a session fixture made once per run)."""
+    base = factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextlib.contextmanager
+def _exclusive(lock: Path) -> Iterator[None]:
+    with lock.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _built(gguf: Path, factory: pytest.TempPathFactory, name: str) -> Path:
+    """The build, made by whichever worker asks first while the other waits on the lock: a real
+    model's build is a minute or two of a 2-core run, and under --dist loadfile its test files
+    land on both workers. Only readers use it (the servers on it save no slots)."""
     from ane_spec.shards.build import BuildRequest, build
 
-    out = factory.mktemp(name) / "art"
-    build(gguf, out, BuildRequest(max_seq=REAL_MAX_SEQ))
+    root = _run_folder(factory) / f"real-build-{name}"
+    root.mkdir(exist_ok=True)
+    out, done = root / "art", root / "built"
+    with _exclusive(root / "lock"):
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)   # a worker that died mid-build
+            build(gguf, out, BuildRequest(max_seq=REAL_MAX_SEQ))
+            done.touch()
     return out
 
 
@@ -62,3 +92,24 @@ def smollm2_build(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) 
 @pytest.fixture(scope="session")
 def qwen_coder_build(qwen_coder_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _built(qwen_coder_gguf, tmp_path_factory, "qwen-coder")
+
+
+# By catalog name, for the suites that run both real models (test_real_models.py,
+# test_real_decoding.py): the GGUFs, their default builds, and the fp16 interpreter on each.
+@pytest.fixture(scope="session")
+def real_gguf(request: pytest.FixtureRequest) -> dict[str, Path]:
+    return {"smollm2-135m-instruct": request.getfixturevalue("smollm2_gguf"),
+            "qwen2.5-coder-0.5b-instruct": request.getfixturevalue("qwen_coder_gguf")}
+
+
+@pytest.fixture(scope="session")
+def real_builds(request: pytest.FixtureRequest) -> dict[str, Path]:
+    return {"smollm2-135m-instruct": request.getfixturevalue("smollm2_build"),
+            "qwen2.5-coder-0.5b-instruct": request.getfixturevalue("qwen_coder_build")}
+
+
+@pytest.fixture(scope="session")
+def fp16_pipelines(real_builds: dict[str, Path]) -> dict:
+    from ane_spec.probes.gates import open_pipeline
+
+    return {name: open_pipeline(art, "mil", "fp16")[1] for name, art in real_builds.items()}

@@ -183,7 +183,9 @@ def test_each_program_is_freed_before_the_next_shard(tiny_gguf: Path, tmp_path: 
     real = build_module.layer_program
 
     def recorded(*args, **kwargs):
-        assert all(ref() is None for ref in alive), "the previous shard's ops are alive"
+        if kwargs.get("tokens") is None:  # a shard's decode program, made first; its prefill
+            # program (same weights, T = P) is made while it lives, by design
+            assert all(ref() is None for ref in alive), "the previous shard's ops are alive"
         prog = real(*args, **kwargs)
         alive.append(weakref.ref(prog.functions["main"]))  # its ops hold the weights
         return prog
@@ -194,7 +196,7 @@ def test_each_program_is_freed_before_the_next_shard(tiny_gguf: Path, tmp_path: 
         build(tiny_gguf, tmp_path / "art", BuildRequest(topology="1,1,1", max_seq=S))
     finally:
         gc.enable()
-    assert len(alive) == 3 and all(ref() is None for ref in alive)
+    assert len(alive) == 6 and all(ref() is None for ref in alive)  # 3 shards x 2 functions
 
 
 def test_real_size_budgets() -> None:

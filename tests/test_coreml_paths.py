@@ -26,8 +26,9 @@ def test_every_probe_runs_on_core_ml(coreml_standin, coreml_build) -> None:
     residency = reports["residency"]  # structure only: placement needs the hardware
     assert residency.skipped.startswith("needs Apple hardware")
     assert "structure only" in residency.skipped
-    packages = residency.details["packages"]
-    assert len(packages) == 2 and all(p["conv_total"] > 0 for p in packages)
+    packages = residency.details["packages"]  # the shard's two functions, then the head
+    assert [p["function"] for p in packages] == ["main", "prefill", "main"]
+    assert all(p["conv_total"] > 0 for p in packages)
 
 
 @pytest.mark.parametrize("decode_shape", ["fixed", "mixed"])

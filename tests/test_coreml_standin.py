@@ -321,3 +321,118 @@ def test_every_value_crossing_into_core_ml_is_one_the_bridge_accepts(coreml_stan
     with pytest.raises(AneSpecError, match="no state 'layer_7_k'"):
         program.write_state(state, "layer_7_k", zeros)
     assert coreml_standin.lifetime_violations == []  # every array it gave stayed alive
+
+
+# --- multifunction packages (issue 33) ----------------------------------------------------------
+
+def test_function_name_picks_the_function_and_an_unknown_one_fails_the_load(
+        coreml_standin, shard, coreml_build, monkeypatch) -> None:
+    """A layer package holds `main` (T 1..4) and `prefill` (T = 64): CompiledMLModel's
+    function_name picks one (none: the default, main); a name the package lacks fails the load
+    with a RuntimeError, as coremltools 9.0's own test expects of Core ML (test_load.py,
+    test_multi_functions_backward_compatibility); a one-function package answers only to main;
+    before macOS 15 the bridge refuses the property itself."""
+    out, m = coreml_build
+    default, main, prefill = (compiled_model(shard[0], **kw) for kw in (
+        {}, {"function_name": "main"}, {"function_name": "prefill"}))
+    assert m.build.prefill_t == 64
+    kept = []  # what Core ML was given outlives its hold (the lifetime rule)
+    for model, good, bad in ((default, 4, 64), (main, 4, 64), (prefill, 64, 4)):
+        state = model.make_state()
+        kept += [{k: v.astype(np.float32) for k, v in feed(t).items()} for t in (good, bad)]
+        assert model.predict(kept[-2], state)["hidden"].shape == (1, 192, good, 1)
+        with pytest.raises(RuntimeError, match="does not match the shape"):
+            model.predict(kept[-1], state)
+    with pytest.raises(RuntimeError, match=r"no function named 'decode' \(the model has main, "
+                       "prefill\\)"):
+        compiled_model(shard[0], function_name="decode")
+    head = out / m.heads[0].file.path
+    kept.append(np.ones((1, 192, 4, 1), np.float32))
+    assert "logits_0" in compiled_model(head, function_name="main").predict({"x": kept[-1]})
+    with pytest.raises(RuntimeError, match="no function named 'prefill' \\(the model has main\\)"):
+        compiled_model(head, function_name="prefill")
+    coreml_standin.install(monkeypatch, macos=(14, 6))
+    with pytest.raises(RuntimeError, match="'functionName' property can only be set on macOS "
+                       ">= 15.0"):
+        compiled_model(shard[0], function_name="prefill")
+
+
+def test_one_state_serves_both_functions_of_a_package(coreml_standin, shard) -> None:
+    """A state made by either function's model is accepted by the other's predict (the two
+    declare the same states), and the values are the fp16 interpreter's, on the same shared
+    state, pass for pass: a prompt chunk through `prefill`, then a decode pass through `main`,
+    and the other way round."""
+    path, sha = shard
+    from ane_spec.runtime.coreml_backend import CoreMLBackend
+
+    backend, mil = CoreMLBackend(), MILBackend("fp16")
+    coreml = {f: backend.load(path, sha256=sha, function=f) for f in ("main", "prefill")}
+    interp = {f: mil.load(path, function=f) for f in ("main", "prefill")}
+    for maker, steps in (("main", [("prefill", 64, 0), ("main", 4, 3)]),
+                         ("prefill", [("main", 4, 0), ("prefill", 64, 0), ("main", 4, 8)])):
+        states = coreml[maker].make_state(), interp[maker].make_state()
+        for function, t, pos in steps:
+            inputs = feed(t, pos, seed=t + pos)
+            got = coreml[function].predict(inputs, states[0])["hidden"]
+            want = interp[function].predict(inputs, states[1])["hidden"]
+            np.testing.assert_array_equal(got, want.astype(np.float32))
+        for name in coreml["main"].state_names:
+            np.testing.assert_array_equal(coreml["prefill"].read_state(states[0], name),
+                                          interp["main"].read_state(states[1], name))
+    assert coreml_standin.lifetime_violations == []
+
+
+def state_package(path: Path, *, name: str = "cache", rows: int = 8,
+                  state_type: str | None = None) -> Path:
+    """A one-op stateful program (x + the state, written back); `state_type` rewrites the type
+    its description declares for the state (coremltools only builds fp16 states)."""
+    import coremltools as ct
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import types
+    from coremltools.proto import FeatureTypes_pb2, Model_pb2
+
+    shape = (1, 2, rows, 32)
+    specs = {"x": mb.TensorSpec(shape, dtype=types.fp16),
+             name: mb.StateTensorSpec(shape, dtype=types.fp16)}
+
+    @mb.program(input_specs=list(specs.values()), opset_version=ct.target.iOS18)
+    def prog(x, state):
+        y = mb.add(x=mb.read_state(input=state), y=x)
+        mb.coreml_update_state(state=state, value=y)
+        return mb.mul(x=y, y=np.float16(1), name="out")
+
+    prog.functions["main"].inputs[name] = prog.functions["main"].inputs.pop("state")
+    prog.functions["main"].inputs[name].name = name
+    ct.convert(prog, minimum_deployment_target=ct.target.iOS18, convert_to="mlprogram",
+               compute_precision=ct.precision.FLOAT32, skip_model_load=True).save(str(path))
+    if state_type is not None:
+        model_file = path / "Data" / "com.apple.CoreML" / "model.mlmodel"
+        spec = Model_pb2.Model.FromString(model_file.read_bytes())
+        spec.description.state[0].type.stateType.arrayType.dataType = (
+            FeatureTypes_pb2.ArrayFeatureType.ArrayDataType.Value(state_type))
+        model_file.write_bytes(spec.SerializeToString())
+    return path
+
+
+def test_a_state_is_refused_by_a_model_whose_states_differ(coreml_standin, tmp_path) -> None:
+    """Another package's state is used where both declare the same states (Anemll's unified
+    state across its chunks); a different name, shape or element type is refused."""
+    base = compiled_model(state_package(tmp_path / "a.mlpackage"))
+    twin = compiled_model(state_package(tmp_path / "b.mlpackage"))
+    x = np.ones((1, 2, 8, 32), np.float32)
+    kept = [x]  # what Core ML was given outlives its hold (the lifetime rule)
+    state = base.make_state()
+    base.predict({"x": x}, state)
+    np.testing.assert_array_equal(twin.predict({"x": x}, state)["out"], 2 * x)  # shared
+    for other, what in ((dict(name="kv"), "kv: \\[1, 2, 8, 32\\] FLOAT16"),
+                        (dict(rows=16), "cache: \\[1, 2, 16, 32\\] FLOAT16"),
+                        (dict(state_type="FLOAT32"), "cache: \\[1, 2, 8, 32\\] FLOAT32")):
+        stranger = compiled_model(state_package(tmp_path / f"{len(what)}.mlpackage", **other))
+        feed_other = {"x": np.ones((1, 2, other.get("rows", 8), 32), np.float32)}
+        kept.append(feed_other)
+        with pytest.raises(RuntimeError, match=f"do not match this model's \\{{{what}\\}}"):
+            stranger.predict(feed_other, state)
+        with pytest.raises(RuntimeError, match="do not match"):
+            base.predict({"x": x}, stranger.make_state())
+        stranger.predict(feed_other, stranger.make_state())  # its own state is fine
+    assert coreml_standin.lifetime_violations == [] and kept

@@ -116,7 +116,7 @@ def test_health_answers_while_core_ml_holds_the_gil(coreml_standin, coreml_build
     # does. Freezing what exists keeps those pauses out of the figure.
     gc.collect()
     gc.freeze()
-    server = serve(out)
+    server = serve(out, prefill="off")  # the prefill function's warm-up would add 16 calls of 2 s
     try:
         with HealthProbe(server.url) as probe:
             probe.phase = "warm-up"
@@ -147,16 +147,17 @@ def test_health_answers_while_core_ml_holds_the_gil(coreml_standin, coreml_build
 
 def test_a_worker_killed_mid_generation_fails_the_request_and_is_restarted(
         coreml_standin, coreml_build, monkeypatch, tmp_path) -> None:
-    """SIGKILL at the 6th prediction of the worker (the warm-up makes 2; the prompt's second
-    pass is next): the request fails with an error naming the signal and the program; the
-    worker is restarted with its programs and the KV slots that lived in it are dropped, both
-    reported by /health; the server stays up and the next request's output equals greedy."""
+    """SIGKILL at the 6th prediction of the worker (the warm-up makes 2 with the prefill
+    function off; the prompt's second pass is next): the request fails with an error naming the
+    signal and the program; the worker is restarted with its programs and the KV slots that
+    lived in it are dropped, both reported by /health; the server stays up and the next
+    request's output equals greedy."""
     out, _ = coreml_build
     for key, value in coreml_standin.rules_env(
             kill_at_predict=6, kill_once_file=str(tmp_path / "killed")).items():
         monkeypatch.setenv(key, value)
     prompt = list(range(20, 30))
-    server = serve(out)
+    server = serve(out, prefill="off")
     try:
         wait_for(server.url, "ok")
         r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
@@ -186,11 +187,53 @@ def test_a_worker_killed_mid_generation_fails_the_request_and_is_restarted(
     assert tokenize  # the text is real tokens
 
 
+def test_a_dead_workers_states_and_rows_raise_state_lost(coreml_standin, coreml_build) -> None:
+    """States and a pass's rows live in the worker: once it has died, using them raises
+    StateLost (make a new state, run the pass again), whether the death was only noticed by a
+    call so far or a new worker runs already; never the fresh worker's KeyError for an id it
+    never had, which would read as "Core ML failed". New states in the new worker work."""
+    from ane_spec.runtime.coreml_worker import StateLost
+    from ane_spec.worker_process import WorkerDied
+
+    out, _ = coreml_build
+    _, pipeline = open_pipeline(out, "coreml", "fp32")
+    shard, worker = pipeline.shards[0], pipeline.backend.worker
+    name = shard.state_names[0]
+    state = pipeline.new_state()
+    want = pipeline.run([3, 4, 5, 6], 0, state).logits
+    rows = pipeline.run([7, 8], 4, state)  # read nothing yet: its rows stay in the worker
+    remote = rows._read_argmax.__self__
+    unread = [r for r in range(2) if r not in remote.known]  # row 0 came with the reply
+    assert unread, remote.known
+    kv = shard.read_state(state.shard_states[0], name)
+    first = worker.generation
+
+    worker.kill()
+    with pytest.raises(WorkerDied, match=r"signal 9 \(SIGKILL\)"):
+        shard.read_state(state.shard_states[0], name)  # the call that finds it dead
+    uses = {"run": lambda: pipeline.run([9], 6, state),
+            "read_state": lambda: shard.read_state(state.shard_states[0], name),
+            "write_state": lambda: shard.write_state(state.shard_states[0], name, kv),
+            "predict": lambda: shard.predict({}, state.shard_states[0]),
+            "row": lambda: rows.row_logits(1), "argmax": lambda: remote.argmax(unread[0])}
+    for restarted in (False, True):
+        for what, use in uses.items():
+            with pytest.raises(StateLost, match=r"died since \(signal 9 \(SIGKILL\) during "
+                                                r"read_state .*(make a new one|run the pass "
+                                                r"again)$"):
+                use()
+            assert worker.generation == first + restarted, what  # no worker started for it
+        if not restarted:
+            fresh = pipeline.new_state()  # starts the next worker, with every program loaded
+    np.testing.assert_array_equal(pipeline.run([3, 4, 5, 6], 0, fresh).logits, want)
+
+
 def test_a_silent_compile_failure_at_warm_up_leaves_the_server_answering(
         coreml_standin, coreml_build, monkeypatch) -> None:
     """coremltools #2758: the load "succeeds" and the first predict SIGKILLs the process. At
     warm-up that is the worker, not the server: /health keeps answering, says what happened
-    and counts the death; requests get a 503 saying why."""
+    and counts the deaths (the prefill function's first, which only switches it off, then the
+    decode function's); requests get a 503 saying why."""
     out, _ = coreml_build
     for key, value in coreml_standin.rules_env(kill_at_first_predict="*").items():
         monkeypatch.setenv(key, value)
@@ -198,8 +241,9 @@ def test_a_silent_compile_failure_at_warm_up_leaves_the_server_answering(
     try:
         body = wait_for(server.url, "error")
         assert "signal 9 (SIGKILL)" in body["error"] and "#2758" in body["error"], body
-        assert body["worker"]["deaths"] == 1 and "during predict on" in body["worker"][
+        assert body["worker"]["deaths"] == 2 and "during predict on" in body["worker"][
             "last_death"], body
+        assert "function prefill" not in body["worker"]["last_death"], body
         # Answering is the proof (the dead worker holds nothing); how fast is the GIL test's.
         for _ in range(10):
             assert httpx.get(f"{server.url}/health", timeout=5).status_code == 503
@@ -407,3 +451,177 @@ def test_a_non_finite_row_in_the_worker_is_refused_when_read(coreml_standin,
                  lambda: result.row_argmax(1)):
         with pytest.raises(NonFiniteLogits, match=r"row \d of the pass"):
             step()
+
+
+# --- the prefill function (issue 33) ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def prefill_build(tmp_path_factory):
+    """`context_build`'s model (its next tokens depend on the whole prompt) with a prefill
+    function of P = 16, so a 40-token prompt is three prefill chunks (16, 16, 8)."""
+    from ane_spec.model.synthetic import preset, write_synthetic_gguf
+    from ane_spec.shards.build import BuildRequest, build
+
+    root = tmp_path_factory.mktemp("prefill16")
+    gguf = write_synthetic_gguf(root / "ctx.gguf", preset("tiny", num_layers=2, embed_std=0.3,
+                                                          branch_scale=4.0, seed=7))
+    build(gguf, root / "art", BuildRequest(topology="2", max_seq=64, prefill_t=16))
+    return root / "art"
+
+
+PROMPT = np.random.default_rng(5).integers(0, 1000, 40).tolist()
+
+
+def calls_of(pipeline):  # noqa: ANN001, ANN201
+    """Record every call the pipeline's backend makes to its Core ML worker (method, during),
+    passing each on to the real worker."""
+    worker, seen = pipeline.backend.worker, []
+    real = worker.call
+
+    def call(method, *args, during=None, **kwargs):  # noqa: ANN001, ANN202
+        seen.append((method, during))
+        return real(method, *args, during=during, **kwargs)
+
+    worker.call = call
+    return seen
+
+
+def test_prefill_through_the_worker_equals_the_fp16_interpreter(coreml_standin,
+                                                               prefill_build) -> None:
+    """A prefill build served by the Core ML worker: greedy and speculative tokens equal the
+    fp16 interpreter's (the stand-in computes with it), with the prefill function on (the
+    prompt in three passes of it) and off (ten decode passes)."""
+    _, worker = open_pipeline(prefill_build, "coreml", "fp16")
+    _, mil = open_pipeline(prefill_build, "mil", "fp16")
+    assert worker.prefill_t == 16 and len(worker.prefill_shards) == 1
+    for mode, passes in (("on", 3), ("off", 0)):
+        want = DecodeSession(mil, prefill=mode).generate(
+            PROMPT, GenerateOptions(max_tokens=8, speculative=False))
+        assert want.stats.prefill_function_passes == passes
+        for speculative in (False, True):
+            got = DecodeSession(worker, prefill=mode).generate(
+                PROMPT, GenerateOptions(max_tokens=8, speculative=speculative))
+            assert got.tokens == want.tokens, (mode, speculative)
+            assert got.stats.prefill_function_passes == passes
+    assert len(set(PROMPT)) > 30
+
+
+def test_one_worker_call_per_prefill_chunk(coreml_standin, prefill_build) -> None:
+    """Each prefill chunk is one call to the worker: the two chunks before the last run the
+    prefill function's layers alone; the last runs them and the head on its last row, whose
+    argmax comes back with the reply (no further call for the first token)."""
+    _, pipeline = open_pipeline(prefill_build, "coreml", "fp16")
+    session = DecodeSession(pipeline, prefill="on")
+    seen = calls_of(pipeline)
+    session.generate(PROMPT, GenerateOptions(max_tokens=1, speculative=False))
+    assert [method for method, _ in seen] == ["run_pass"] * 3, seen
+    layers = "predict on layers_00_02.mlpackage function prefill ("
+    assert all(during.startswith(layers) for _, during in seen)
+    assert [", then head.mlpackage" in during for _, during in seen] == [False, False, True]
+    seen.clear()
+    DecodeSession(pipeline, prefill="off").generate(
+        PROMPT, GenerateOptions(max_tokens=1, speculative=False))
+    # Ten decode passes; the first token is the last row's, read with one more call.
+    assert [method for method, _ in seen] == ["make_state"] + ["run_pass"] * 10 + [
+        "head_argmax"], seen
+    assert not any("function prefill" in during for _, during in seen)
+
+
+def test_a_prefill_function_that_kills_the_worker_is_named_and_served_again(
+        coreml_standin, prefill_build, monkeypatch, tmp_path) -> None:
+    """coremltools #2758 in the prefill function alone (its first predict SIGKILLs the worker):
+    the prompt fails with WorkerDied naming the prefill function; the next call starts a fresh
+    worker with both functions loaded, and generation equals the fp16 interpreter's."""
+    from ane_spec.worker_process import WorkerDied
+
+    for key, value in coreml_standin.rules_env(
+            kill_at_first_predict="#prefill", kill_once_file=str(tmp_path / "killed")).items():
+        monkeypatch.setenv(key, value)
+    _, pipeline = open_pipeline(prefill_build, "coreml", "fp16")
+    with pytest.raises(WorkerDied, match=r"signal 9 \(SIGKILL\)\) during predict on "
+                       r"layers_00_02.mlpackage function prefill \("):
+        DecodeSession(pipeline, prefill="on").generate(PROMPT, GenerateOptions(max_tokens=4))
+    got = DecodeSession(pipeline, prefill="on").generate(PROMPT, GenerateOptions(max_tokens=8))
+    _, mil = open_pipeline(prefill_build, "mil", "fp16")
+    assert got.tokens == DecodeSession(mil, prefill="on").generate(
+        PROMPT, GenerateOptions(max_tokens=8)).tokens
+    assert pipeline.backend.health()["restarts"] == 1
+
+
+def test_warm_up_specialises_both_functions_and_measures_the_prefill_costs(
+        coreml_standin, prefill_build, monkeypatch, caplog) -> None:
+    """The daemon's warm-up runs one pass of each function (the prefill function's shard at
+    T=16, the decode function's shard and the head at T=4), each first pass paying the
+    stand-in's per-shape first-call cost, and reports each function's JIT seconds in its ready
+    line and /health; it measures c(P)/c(4) once, so the first request's prompt is planned
+    without another measurement: its prefill passes are its only calls to the worker."""
+    import logging
+
+    for key, value in coreml_standin.rules_env(first_call_seconds=0.4).items():
+        monkeypatch.setenv(key, value)
+    caplog.set_level(logging.INFO, logger="ane_spec.daemon")
+    server = serve(prefill_build, prefill="on")
+    try:
+        health = wait_for(server.url, "ok")
+        jit = health["warmup_jit_seconds"]
+        assert list(jit) == ["prefill T=16", "decode T=4"], jit
+        assert jit["prefill T=16"] >= 0.4 and jit["decode T=4"] >= 0.8  # shard; shard + head
+        prefill = health["prefill"]
+        assert (prefill["prefill_t"], prefill["mode"], prefill["disabled"]) == (16, "on", None)
+        costs = prefill["costs"]
+        assert costs["prefill_t"] == 16 and costs["decode_t"] == 4
+        assert costs["ratio"] > 0 and costs["prefill_tok_s"] > 0
+        seen = calls_of(server.engine.pipeline)
+        r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "prompt": PROMPT, "max_tokens": 1, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert [m for m, _ in seen] == ["run_pass"] * 3, seen  # the three prefill chunks
+    finally:
+        server.stop()
+    lines = [r.getMessage() for r in caplog.records]
+    ready = next(line for line in lines if line.startswith("ready:"))
+    assert "first passes (JIT): prefill T=16 " in ready and ", decode T=4 " in ready, ready
+    assert any(line.startswith("prefill T=16: c(P)/c(4) ") and "prompt tok/s" in line
+               for line in lines), lines
+
+
+def test_a_prefill_function_that_fails_its_compile_is_switched_off_at_warm_up(
+        coreml_standin, prefill_build, monkeypatch) -> None:
+    """coremltools #2758 in the prefill function (its first predict SIGKILLs every worker): the
+    warm-up says so and serves with the prefill function off; replies equal the fp16
+    interpreter's with prompts at the decode shape."""
+    for key, value in coreml_standin.rules_env(kill_at_first_predict="#prefill").items():
+        monkeypatch.setenv(key, value)
+    server = serve(prefill_build)
+    try:
+        health = wait_for(server.url, "ok")
+        prefill = health["prefill"]
+        assert prefill["mode"] == "off" and prefill["costs"] is None, prefill
+        assert "signal 9 (SIGKILL)" in prefill["disabled"] and "#2758" in prefill["disabled"]
+        assert "function prefill" in prefill["disabled"]
+        assert health["worker"]["deaths"] == 1 and health["worker"]["running"]
+        assert list(health["warmup_jit_seconds"]) == ["decode T=4"]
+        r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "prompt": PROMPT, "max_tokens": 6, "temperature": 0})
+        assert r.status_code == 200, r.text
+        text = r.json()["choices"][0]["text"]
+        assert httpx.get(f"{server.url}/health").json()["worker"]["deaths"] == 1
+    finally:
+        server.stop()
+    _, mil = open_pipeline(prefill_build, "mil", "fp16")
+    want = DecodeSession(mil, prefill="off").generate(PROMPT, GenerateOptions(max_tokens=6))
+    assert text == want.text
+
+
+def test_prefill_passes_switch_no_program_s_shape(coreml_standin, prefill_build) -> None:
+    """Under reshapeFrequency Infrequent each input-shape switch may be a re-specialisation,
+    and the proxy counts them (the doctor reports them per check). A prompt through the prefill
+    function and decoding after it switch none: each function keeps its one shape, and the
+    head, fed the prefill chunk's last row repeated to the decode width, keeps T=4."""
+    from ane_spec.runtime.coreml_backend import shape_switches
+
+    _, pipeline = open_pipeline(prefill_build, "coreml", "fp16")
+    before = shape_switches()
+    out = DecodeSession(pipeline, prefill="on").generate(PROMPT, GenerateOptions(max_tokens=6))
+    assert out.stats.prefill_function_passes == 3 and len(out.tokens) == 6
+    assert shape_switches() == before

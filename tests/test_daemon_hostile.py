@@ -1090,3 +1090,56 @@ def test_a_generation_past_the_request_timeout_ends_with_length(tiny_build_512: 
         assert body["choices"][0]["finish_reason"] == "length", body
         assert body["usage"]["completion_tokens"] < 50
         assert body["ane_spec"]["stopped_by"] == "request_timeout"
+
+
+# --- 11. Ollama's options as Ollama reads them (issue 36) ----------------------------------------
+
+def test_ollama_keep_alive_and_num_predict_mean_what_they_mean_to_ollama(srv: Hostile,
+                                                                         pipeline) -> None:
+    """keep_alive "abc" and true were accepted (Ollama answers 400: api.Duration.UnmarshalJSON
+    parses a string with Go's time.ParseDuration and takes no other type but a number), and
+    num_predict -5 or 1e30 meant no limit (Ollama's meanings: -1 no limit, -2 fill the
+    context). Each bad one is a 400 naming it, before anything runs."""
+    def chat(**fields) -> httpx.Response:
+        return srv.post("/api/chat", {"model": "m", "stream": False, "messages": ASK}
+                        | {"options": {"num_predict": 1}} | fields)
+
+    for value, needle in (("abc", 'time: invalid duration "abc"'),
+                          ("", 'time: invalid duration ""'),
+                          ("5", 'time: missing unit in duration "5"'),
+                          ("5 m", 'time: unknown unit " m"'),
+                          ("1e3s", 'time: unknown unit "e"'),
+                          ("9999999999h", "time: invalid duration"),
+                          (True, "Unsupported type: 'bool'"),
+                          ([1], "Unsupported type: '[]interface {}'"),
+                          ({"m": 5}, "Unsupported type: 'map[string]interface {}'")):
+        ollama_refused(chat(keep_alive=value), 400, f"keep_alive: {needle}")
+        ollama_refused(srv.post("/api/generate", {"model": "m", "prompt": "", "keep_alive":
+                                                  value}), 400, "keep_alive")
+    for value in ("5m", "-5m", "1h30m", "1.5h", ".5s", "0", "+5m", "300ms", "2\u00b5s", -1,
+                  300, 0.5, None):
+        r = chat(keep_alive=value)
+        assert r.status_code == 200, (value, r.text)
+    # Nothing to generate: a zero keep_alive unloads (Ollama expires the runner), else loads.
+    for value, reason in ((0, "unload"), ("0s", "unload"), ("-0m", "unload"), (1e-10, "unload"),
+                          ("0.5s", "load"), (-1, "load"), (None, "load")):
+        r = srv.post("/api/chat", {"model": "m", "messages": [], "keep_alive": value})
+        assert r.json()["done_reason"] == reason, (value, r.text)
+        r = srv.post("/api/generate", {"model": "m", "prompt": "", "keep_alive": value})
+        assert r.json()["done_reason"] == reason, (value, r.text)
+    for n in (-5, -3, 0, 1e30, 2**63, -(2**63)):
+        ollama_refused(chat(options={"num_predict": n}), 400, "options.num_predict",
+                       "-1 for no limit or -2 to fill the context")
+    # -1 and -2 generate until the context is full: a prompt 6 tokens short of it.
+    tok, context = pipeline.tokenizer, pipeline.max_seq
+    words = 1
+    while len(tok.encode(" ".join(["hello"] * (words + 1)), add_special=True)) < context - 6:
+        words += 1
+    prompt = " ".join(["hello"] * words)
+    for n in (-1, -2):
+        r = srv.post("/api/generate", {"model": "m", "prompt": prompt, "raw": True,
+                                       "stream": False, "options": {"num_predict": n}},
+                     timeout=120)
+        body = r.json()
+        assert r.status_code == 200 and body["done_reason"] == "length", (n, body)
+        assert body["prompt_eval_count"] + body["eval_count"] == context, (n, body)

@@ -273,9 +273,10 @@ def test_warming_up_is_503_with_retry_after(artifacts: Path) -> None:
         health = r.json()
         assert r.status_code == 503 and health["status"] == "loading"
         assert {"step", "done", "total", "fraction"} <= set(health["progress"])
-        # The fixed decode shape warms one pass width: 2 shards + the head at T=4. No T=1
-        # specialisation, no pass-cost policy, no drift calibration.
-        assert health["progress"]["total"] == 3 and health["progress"]["done"] == 0
+        # The fixed decode shape warms one pass width: 2 shards + the head at T=4; the build's
+        # prefill function (P=64) its 2 shards at T=64, and its pass costs are measured once.
+        # No T=1 specialisation, no pass-cost policy, no drift calibration.
+        assert health["progress"]["total"] == 6 and health["progress"]["done"] == 0
         r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3})
         assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
         assert r.json()["error"]["code"] == "warming_up"
@@ -390,6 +391,8 @@ def test_launch_agent_printed_off_macos(artifacts: Path, tmp_path: Path) -> None
         assert not (tmp_path / "Library").exists()
         agent = plistlib.loads(result.plist)
         assert agent["Label"] == LABEL and agent["RunAtLoad"] and agent["KeepAlive"]
+        # launchd.plist(5): without it, "light resource limits" throttle CPU and I/O.
+        assert agent["ProcessType"] == "Interactive"
         args = agent["ProgramArguments"]
         assert args[:4] == [sys.executable, "-m", "ane_spec.cli", "serve"]
         assert args[args.index("--manifest") + 1] == str(artifacts.resolve())

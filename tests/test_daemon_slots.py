@@ -244,3 +244,45 @@ def test_slot_and_memory_options_round_trip_through_the_cli(artifacts, tmp_path)
                          ({"draft_memory_tokens": 10}, "draft_memory_tokens")):
         with pytest.raises(ServeConfigError, match=message):
             ServeConfig.create(manifest=artifacts, **bad)
+
+
+def test_a_job_that_raises_the_unforeseen_is_that_jobs_error(artifacts, pipeline,
+                                                            monkeypatch) -> None:
+    """Issue 36: any exception in a job is an error for that job, never a dead worker thread
+    (a forged slot file's OverflowError once killed it: the restore never answered, /health
+    said ready, and every later request queued until 429). Exceptions nothing in the engine
+    names are raised inside a slot action and inside a generation's set-up; each request gets
+    a 500, and the worker then serves the fixed greedy completion as before."""
+    prompt = np.random.default_rng(11).integers(0, 1000, 30).tolist()
+    srv = serving(artifacts, kv_slots=2)
+    engine = srv.engine
+    try:
+        complete(srv, prompt)
+
+        def boom(*args, **kwargs):
+            raise OverflowError("Python int too large to convert to C long")
+
+        monkeypatch.setattr(engine.slots, "erase", boom)
+        r = httpx.post(f"{srv.url}/slots/0?action=erase", json={}, timeout=30)
+        assert r.status_code == 500 and "OverflowError" in r.text, r.text
+        monkeypatch.undo()
+
+        def fails(*args, **kwargs):
+            raise RuntimeError("nobody saw this coming")
+
+        monkeypatch.setattr(engine.memories, "get", fails)
+        r = httpx.post(f"{srv.url}/v1/completions", timeout=30,
+                       json={"model": "m", "prompt": prompt, "max_tokens": 8})
+        assert r.status_code == 500 and "RuntimeError" in r.text, r.text
+        monkeypatch.undo()
+
+        assert engine._thread.is_alive()
+        health = httpx.get(f"{srv.url}/health").json()
+        assert health["status"] == "ok" and not health["busy"], health
+        body = complete(srv, prompt)
+        assert body["choices"][0]["text"] == solo(pipeline, prompt).text
+        # What the failed jobs might have been writing is not trusted: the prompt is computed
+        # again, never continued from a resident state of unknown contents.
+        assert body["ane_spec"]["stats"]["reused_prefix_tokens"] == 0
+    finally:
+        srv.stop()

@@ -193,7 +193,11 @@ def test_trace_and_stats(pipeline, tmp_path: Path) -> None:
 
     buf = io.StringIO()
     out = DecodeSession(pipeline, trace=Trace(buf)).generate([4, 5, 6], GenerateOptions(max_tokens=12))
-    lines = [json.loads(line) for line in buf.getvalue().splitlines()]
+    records = [json.loads(line) for line in buf.getvalue().splitlines()]
+    prefill = [r for r in records if r.get("prefill")]
+    lines = [r for r in records if not r.get("prefill")]
+    assert len(prefill) == out.stats.prefill_passes == 1  # 3 prompt tokens: one pass
+    assert prefill[0]["T"] == 3 and prefill[0]["position"] == 0
     assert len(lines) == out.stats.passes
     assert {"position", "T", "drafts", "accepted", "backend_ms", "host_ms"} <= set(lines[0])
     d = out.stats.to_dict()

@@ -28,7 +28,10 @@ def test_generate_json_matches_the_session(built: Path, capsys, tmp_path: Path) 
     out = json.loads(capsys.readouterr().out)
     assert set(out) >= {"prompt_tokens", "tokens", "text", "finish_reason", "stats"}
     assert {"passes", "tokens_per_pass", "decode_tok_s", "prefill_tok_s"} <= set(out["stats"])
-    assert len(trace.read_text().splitlines()) == out["stats"]["passes"]
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    prefill = [r for r in records if r.get("prefill")]
+    assert len(records) - len(prefill) == out["stats"]["passes"]
+    assert len(prefill) == out["stats"]["prefill_passes"] >= 1
     _, pipeline = open_pipeline(built, "mil", "fp32")
     tokens = pipeline.tokenizer.encode("def f(x): return x", special=True)
     expected = DecodeSession(pipeline).generate(tokens, GenerateOptions(max_tokens=20,

@@ -53,3 +53,38 @@ def test_a_failed_residency_on_tiny_code_is_expected() -> None:
     assert gate_line(failed).endswith(f"({TINY_CODE_RESIDENCY_NOTE})")
     other = GateReport("block", False, "coreml", None, {"min_cosine": 0.5}, {}, {})
     assert TINY_CODE_RESIDENCY_NOTE not in gate_line(other)
+
+
+@pytest.mark.slow
+def test_demo_on_a_model_with_a_draft_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """`demo --model T --draft-model D` on synthetic GGUFs (a 1-layer target; the draft one
+    layer of other weights, the same vocabulary): the speculative reply with the model drafting
+    is greedy's, the demo says who drafted; a draft of another vocabulary is refused before
+    anything is built."""
+    from ane_spec.cli import main
+    from ane_spec.model.synthetic import preset, write_synthetic_gguf
+
+    monkeypatch.chdir(tmp_path)  # the draft is built into ./local-artifacts/drafts
+    target = write_synthetic_gguf(tmp_path / "t.gguf", preset("tiny", arch="llama",
+                                                              num_layers=1))
+    other = write_synthetic_gguf(tmp_path / "o.gguf", preset("tiny", arch="llama", num_layers=1,
+                                                             vocab_size=2048))
+    assert main(["demo", "--model", str(target), "--draft-model", str(other), "--out",
+                 str(tmp_path / "refused"), "--max-seq", "128", "--max-tokens", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot draft for" in err and "Traceback" not in err
+    assert not (tmp_path / "refused").exists() and not (tmp_path / "local-artifacts").exists()
+
+    draft = write_synthetic_gguf(tmp_path / "d.gguf", preset(
+        "tiny", arch="llama", num_layers=1, hidden_size=128, num_heads=4, num_kv_heads=2,
+        ffn_size=256, rope_dims=32, seed=11))
+    assert main(["demo", "--model", str(target), "--draft-model", str(draft), "--out",
+                 str(tmp_path / "demo"), "--max-seq", "160", "--max-tokens", "20"]) == 0
+    text = capsys.readouterr().out
+    assert "identical tokens: yes (20 tokens)" in text, text
+    assert "draft model: building d.gguf" in text and "pass costs" in text
+    # The n-gram wins this prompt's steps; the model drafts at least every 16th
+    # (draft_policy.EXPLORE_EVERY).
+    drafted_by = next(line for line in text.splitlines() if "drafted by:" in line)
+    assert "model " in drafted_by and "ngram " in drafted_by, drafted_by

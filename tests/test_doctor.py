@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -20,9 +21,10 @@ from ane_spec.shards.build import BuildRequest, build
 ON_MAC = sys.platform == "darwin"
 CORE_ML_PROBES = {"neural-engine", "synthetic-t4 d1024 (Core ML)", "synthetic-t4 phi (Core ML)",
                   "mask-ops"}
-CORE_ML_BUILD = {"residency", "cold-jit", "warm-latency", "peak-memory", "ane-vs-cpu"}
+CORE_ML_BUILD = {"residency", "cold-jit", "warm-latency", "peak-memory", "state-reads",
+                 "draft-costs", "ane-vs-cpu"}
 CORE_ML_ONLY = CORE_ML_PROBES | CORE_ML_BUILD
-MODEL_CHECKS = {"row-invariance", "overflow", "block", "drift", "parity"}
+MODEL_CHECKS = {"row-invariance", "overflow", "block", "drift", "parity", "prefill"}
 BUILD_FIGURES = {"kv-slots", "activation-range"}
 
 
@@ -86,12 +88,14 @@ def test_with_a_build_json_and_markdown(build_dir: Path, tmp_path: Path, capsys)
     assert act["status"] == "passed" and act["summary"].startswith("residual scale: 2^0 (auto)")
     assert act["details"]["calibration"]["residual_margin"] > 100
     # decode-shape (mixed, no Core ML here) and argmax-head (a logits build) skip too.
-    assert out["counts"] == {"passed": 11, "failed": 0, "skipped": 11}
+    assert out["counts"] == {"passed": 12, "failed": 0, "skipped": 13}
 
     markdown = report.read_text()
     assert markdown.startswith("## ane-spec doctor") and "| parity | passed |" in markdown
     # Pastes into an issue: a few header lines and one table row per check.
-    assert len(markdown.splitlines()) <= len(CHECKS) + 10 and len(markdown) < 4000
+    # (5,000 characters: the first line names the Python and why the native bridge did not
+    # load, and the prefill check states both functions' costs)
+    assert len(markdown.splitlines()) <= len(CHECKS) + 10 and len(markdown) < 5000
 
 
 def test_a_failing_check_fails_the_command(tiny_gguf_conditioned: Path, tmp_path: Path,
@@ -139,9 +143,11 @@ def test_on_a_mac_every_core_ml_check_runs(build_dir: Path) -> None:
     assert checks["environment"].details["core_ml"] == "available"
     for name in CORE_ML_ONLY | MODEL_CHECKS:
         assert not checks[name].summary.startswith("error:"), checks[name]
-        assert checks[name].status != "skipped" or name == "parity", checks[name]
+        assert checks[name].status != "skipped" or name in ("parity", "draft-costs"), \
+            checks[name]
     assert "first predictions" in checks["cold-jit"].summary
-    assert set(checks["residency"].details) == {"shard 0-2", "head"}
+    assert set(checks["residency"].details) == {"shard 0-2", "shard 0-2 prefill", "head",
+                                                "planned_t", "planned_prefill_t"}
 
 
 # --- through the Core ML stand-in (tests/coreml_standin.py) -----------------------------------
@@ -192,6 +198,10 @@ def test_doctor_end_to_end_through_the_standin(build_dir: Path, tmp_path: Path,
     assert "| row-invariance | passed |" in markdown and "shape switch" in markdown
     assert checks["decode-shape"]["status"] == "passed"  # fixed: Infrequent
     assert "Infrequent" in checks["decode-shape"]["summary"]
+    # 1,000 reads of a K state in the Core ML worker leave its RSS where it was.
+    assert checks["state-reads"]["status"] == "passed", checks["state-reads"]
+    assert checks["draft-costs"]["status"] == "skipped"  # no --draft-model
+    assert checks["draft-costs"]["summary"].startswith("needs --draft-model")
 
 
 def test_mixed_decode_shape_is_measured_off_the_ane(build_dir: Path, standin_everywhere) -> None:
@@ -307,3 +317,160 @@ def test_mixed_decode_shape_on_a_mac_is_timed(monkeypatch: pytest.MonkeyPatch, t
     run.measurements = {}
     with pytest.raises(doctor.Skip, match="no T=1 timings"):
         doctor.check_decode_shape_placement(run)
+
+
+# --- state reads leave nothing behind (issue 35) ----------------------------------------------
+
+def state_reads(build: Path, work: Path) -> Verdict:
+    """The check, called here rather than in the doctor's worker child (the end-to-end test
+    above runs it there): one process start fewer. The Core ML worker it starts, where the
+    states and the RSS watched live, is still a child with the stand-in's rules."""
+    from ane_spec.manifests.store import load_manifest
+
+    run = doctor.DoctorRun(load_manifest(build), work)
+    try:
+        return doctor.run_one(doctor.check_state_reads, run)
+    finally:
+        run.pipelines["CPU_AND_NE"].backend.close()
+
+
+def test_state_reads_keep_the_core_ml_workers_memory_flat(tiny_build_512: Path, tmp_path: Path,
+                                                         standin_everywhere) -> None:
+    """1,000 reads of layer 0's K state through the slot-capture path, in the Core ML worker
+    (the stand-in's readState autoreleases a copy of the state per read, freed by the pool
+    runtime/autorelease.py opens): the worker's RSS stays well under the bound."""
+    check = state_reads(tiny_build_512, tmp_path)
+    assert check.status == "passed", check
+    d = check.details
+    assert d["where"] == "Core ML worker" and d["state"] == "layer_0_k"
+    assert tuple(d["shape"]) == (1, 2, 512, 32) and d["state_bytes"] == 64 << 10
+    assert d["reads"] == 1000 and d["bound_bytes"] == 32 << 20 and d["reads_per_s"] > 0
+    assert d["growth_bytes"] < 8 << 20, d  # a leak of a copy a read would be 62.5 MiB
+    assert d["rss_before"] > 0 and d["rss_after"] > 0
+    assert check.summary.startswith("Core ML worker RSS ") and "reads/s" in check.summary
+    assert "stand-in" in check.summary
+
+
+def test_state_reads_fail_when_each_read_leaks_a_copy(tiny_build_512: Path, tmp_path: Path,
+                                                      standin_everywhere,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stand-in's `leak_reads`: each read's copy is never freed, as with no autorelease pool
+    around readState on the worker's thread. 1,000 reads grow the worker by 1,000 copies."""
+    for key, value in standin_everywhere.rules_env(leak_reads=True).items():
+        monkeypatch.setenv(key, value)
+    check = state_reads(tiny_build_512, tmp_path)
+    assert check.status == "failed", check
+    d = check.details
+    assert d["growth_bytes"] >= d["bound_bytes"] and d["bytes_per_read"] >= 0.9 * (64 << 10), d
+    assert re.match(r"Core ML worker RSS grew \d+\.\d MiB over 1,000 reads of layer_0_k: "
+                    r"\+[\d,]+ B per read \(bound 32\.0 MiB", check.summary), check.summary
+
+
+# --- the prefill function (issue 33) ----------------------------------------------------------
+
+def test_prefill_check_through_the_standin(build_dir: Path, standin_everywhere,
+                                           monkeypatch) -> None:
+    """On Core ML (the stand-in, in the doctor's worker child): c(P)/c(4), prefill tok/s and the
+    first pass of each function, each first pass paying the stand-in's per-shape first-call
+    cost; it says the timings are not the device's, and what only a Mac can tell."""
+    for key, value in standin_everywhere.rules_env(first_call_seconds=0.3).items():
+        monkeypatch.setenv(key, value)
+    check = by_name(run_doctor(build_dir, checks=[("prefill", doctor.check_prefill)]))["prefill"]
+    assert check.status == "passed", check
+    d = check.details
+    assert d["prefill_t"] == 64 and d["decode_t"] == 4 and d["ratio"] > 0, d
+    assert d["prefill_tok_s"] > 0 and d["decode_tok_s"] > 0
+    assert list(d["jit_s"]) == ["decode T=4", "prefill T=64"], d["jit_s"]
+    assert d["jit_s"]["decode T=4"] >= 0.6 and d["jit_s"]["prefill T=64"] >= 0.3  # 2 + 1 first
+    assert check.summary.startswith("prefill T=64: c(P)/c(4) ")
+    assert "prompt tok/s through the prefill function" in check.summary
+    assert "first passes (JIT): decode T=4 " in check.summary
+    assert "Core ML (CPU_AND_NE" in d["backend"]
+    assert "not the device's figures" in check.summary and "needs Apple hardware" in (
+        d["not_the_device"])
+    assert "only a Mac's Neural Engine tells the real c(P)/c(4)" in check.summary
+
+
+@pytest.mark.skipif(ON_MAC, reason="the interpreter fallback is what runs off macOS")
+def test_prefill_check_on_the_interpreter_says_so(build_dir: Path) -> None:
+    check = by_name(run_doctor(build_dir, checks=[("prefill", doctor.check_prefill)]))["prefill"]
+    assert check.status == "passed", check
+    assert "timed on the fp16 MIL interpreter (unavailable: needs macOS 15" in check.summary
+    assert check.details["backend"].startswith("MIL") and check.details["jit_s"]
+
+
+@pytest.mark.parametrize("prefill_s,status", [(0.5, "failed"), (0.03, "passed")])
+def test_prefill_check_on_a_mac_fails_where_the_prefill_function_does_not_pay(
+        build_dir: Path, tmp_path: Path, monkeypatch, prefill_s: float, status: str) -> None:
+    """On Core ML proper the verdict is the clock's: a 64-row pass dearer than the 16 decode
+    passes it replaces fails (auto never uses it). The measurement and cold-jit's record stand
+    for a Mac's (only a Mac has them)."""
+    from ane_spec.decode import prefill_plan
+    from ane_spec.manifests.store import load_manifest
+    from ane_spec.runtime import coreml_backend
+
+    monkeypatch.setattr(coreml_backend, "hardware_problem", lambda: None)
+    monkeypatch.setattr(prefill_plan, "measure", lambda pipeline: prefill_plan.PrefillCosts(
+        64, 4, 0.010, prefill_s, prefill_s + 0.001))
+    run = doctor.DoctorRun(load_manifest(build_dir), tmp_path)
+    run.__dict__["coreml_problem"] = None  # as on a Mac
+    run.pipelines["CPU_AND_NE"] = doctor.DoctorRun(run.build, tmp_path).pipeline()
+    run.measurements["first_prediction_s"] = {"shard 0-2": {"T=4": 2.5, "prefill T=64": 4.0},
+                                              "head": {"T=4": 0.5}}
+    verdict = doctor.check_prefill(run)
+    assert verdict.status == status, verdict
+    assert verdict.details["jit_s"] == {"decode T=4": 3.0, "prefill T=64": 4.0}
+    assert "first passes (JIT): decode T=4 3.00s, prefill T=64 4.00s" in verdict.summary
+    assert "not the device" not in verdict.summary
+    if status == "failed":
+        assert "costs more than the 16 decode passes it replaces" in verdict.summary
+
+
+def test_prefill_check_skips_a_build_without_a_prefill_function(build_dir: Path,
+                                                                tmp_path: Path) -> None:
+    from ane_spec.manifests.store import load_manifest
+
+    loaded = load_manifest(build_dir)
+    build = loaded.manifest.build.model_copy(update={"prefill_t": 0, "prefill_function": None})
+    loaded.manifest = loaded.manifest.model_copy(update={"build": build})
+    verdict = doctor.run_one(doctor.check_prefill, doctor.DoctorRun(loaded, tmp_path))
+    assert verdict.status == "skipped" and "no prefill function" in verdict.summary
+
+
+def test_the_first_line_names_the_python_and_whether_the_native_bridge_loaded(
+        coreml_standin) -> None:
+    """Off macOS the bridge is missing (its reason named); on the stand-in it is loaded."""
+    import platform
+
+    from ane_spec.probes.doctor_report import to_lines
+
+    def first_line() -> str:
+        checks = run_doctor(checks=[("environment", doctor.check_environment)])
+        return to_lines(checks).splitlines()[0]
+
+    assert first_line().startswith(
+        f"PASS  environment: Python {platform.python_version()}, Core ML native bridge loaded;")
+
+
+def test_off_a_mac_the_first_line_says_the_bridge_did_not_load() -> None:
+    import platform
+
+    from ane_spec.probes.doctor_report import to_lines
+
+    checks = run_doctor(checks=[("environment", doctor.check_environment)])
+    line = to_lines(checks).splitlines()[0]
+    assert f"environment: Python {platform.python_version()}, Core ML native bridge not loaded (" \
+        in line
+
+
+def test_install_refuses_python_3_14() -> None:
+    """coremltools 9.0 has macOS wheels for CPython 3.10-3.13 only; on 3.14 pip would install
+    its sdist without the native libraries, so the project refuses that Python at install."""
+    import tomllib
+
+    from packaging.specifiers import SpecifierSet
+
+    spec = SpecifierSet(tomllib.loads((Path(__file__).parents[1] / "pyproject.toml")
+                                      .read_text())["project"]["requires-python"])
+    assert [v in spec for v in ("3.10", "3.11", "3.12", "3.13", "3.14", "3.15")] == [
+        True, True, True, True, False, False]

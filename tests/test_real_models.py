@@ -11,7 +11,7 @@ tests/data/real_models/, so these run without llama.cpp:
   chat turn, against llama.cpp on an F32 copy of the file (its own values dequantized by
   llama.cpp's quantizer) and on the file itself: top-1 agreement and mean KL over the rows that
   write the assistant's reply;
-- fp16 speculative decoding equals plain greedy decoding token for token on real chat prompts;
+- (decoding, speculative against greedy and the prefill function: test_real_decoding.py);
 - the server on the real Qwen coder: a chat, a JSON-schema reply and a tool call under
   `tool_choice: "required"`.
 """
@@ -25,8 +25,6 @@ import numpy as np
 import pytest
 
 from ane_spec.decode.generate import prompt_tokens
-from ane_spec.decode.session import DecodeSession, GenerateOptions
-from ane_spec.probes.gates import open_pipeline
 from ane_spec.runtime.pipeline import prefill_logits
 
 DATA = Path(__file__).parent / "data" / "real_models"
@@ -48,24 +46,6 @@ def recorded(name: str) -> tuple[dict, dict[str, np.ndarray]]:
     doc = json.loads((DATA / f"{name}.json").read_text())
     with np.load(DATA / f"{name}.logits.npz") as z:
         return doc, {k: z[k] for k in z.files}
-
-
-@pytest.fixture(scope="session")
-def real_gguf(request: pytest.FixtureRequest) -> dict[str, Path]:
-    return {"smollm2-135m-instruct": request.getfixturevalue("smollm2_gguf"),
-            "qwen2.5-coder-0.5b-instruct": request.getfixturevalue("qwen_coder_gguf")}
-
-
-@pytest.fixture(scope="session")
-def real_builds(request: pytest.FixtureRequest) -> dict[str, Path]:
-    """Each real model built with the default settings (tests/real_models.py)."""
-    return {"smollm2-135m-instruct": request.getfixturevalue("smollm2_build"),
-            "qwen2.5-coder-0.5b-instruct": request.getfixturevalue("qwen_coder_build")}
-
-
-@pytest.fixture(scope="session")
-def fp16_pipelines(real_builds: dict[str, Path]) -> dict:
-    return {name: open_pipeline(art, "mil", "fp16")[1] for name, art in real_builds.items()}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -144,38 +124,6 @@ def test_shard_logits_match_llama_cpp_over_a_chat_turn(name: str, fp16_pipelines
     for label in ("f32", "file"):
         top1, kl_mean, _ = figures[label]
         assert top1 >= MIN_TOP1 and kl_mean <= MAX_MEAN_KL, (label, figures)
-
-
-SPEC_CHATS = {
-    "smollm2-135m-instruct": [
-        [{"role": "user", "content": "List the planets of the solar system in order."}],
-        [{"role": "user", "content": "Write a short poem about the sea."}],
-    ],
-    "qwen2.5-coder-0.5b-instruct": [
-        [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci "
-                                     "number, with a docstring."}],
-        [{"role": "user", "content": "Rewrite this loop as a list comprehension:\n"
-                                     "out = []\nfor x in xs:\n    if x % 2:\n"
-                                     "        out.append(x * x)\n"}],
-    ],
-}
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_fp16_speculative_equals_greedy_on_real_chat_prompts(name: str,
-                                                             fp16_pipelines: dict) -> None:
-    pipeline = fp16_pipelines[name]
-    passes = tokens = 0
-    for chat in SPEC_CHATS[name]:
-        prompt = prompt_tokens(pipeline, messages=chat)
-        plain = DecodeSession(pipeline).generate(
-            prompt, GenerateOptions(max_tokens=48, speculative=False))
-        spec = DecodeSession(pipeline).generate(prompt, GenerateOptions(max_tokens=48))
-        assert spec.tokens == plain.tokens, chat
-        assert len(plain.tokens) >= 8 and plain.text.strip()
-        passes += spec.stats.passes
-        tokens += len(spec.tokens)
-    print(f"\n{name}: fp16 speculative == greedy, {tokens} tokens in {passes} passes")
 
 
 def test_the_server_on_the_real_qwen_coder(real_builds: dict[str, Path]) -> None:

@@ -462,3 +462,215 @@ def test_q8_block_is_refused_on_the_neural_engine_unless_forced(
     monkeypatch.setenv(FORCE_Q8_BLOCK_ENV, "1")
     open_pipeline(q8, "coreml", "fp32")
     open_pipeline(q8, "mil", "fp32")  # the interpreter is not the ANE: never refused
+
+
+# --- both functions of a layer package (issue 33) -------------------------------------------
+
+def test_a_function_missing_from_the_plan_never_passes(shard_structure) -> None:
+    """A plan whose structure holds `main` only says nothing of `prefill`: that function's
+    report names why and fails, whatever main's does."""
+    from coremltools.models.compute_device import MLNeuralEngineComputeDevice
+
+    package, _, structure = shard_structure
+    plan = compute_plan(structure, {"read_state": None, "*": MLNeuralEngineComputeDevice})
+    assert plan_residency(plan, str(package), "CPU_AND_NE").passed
+    missing = plan_residency(plan, str(package), "CPU_AND_NE", "prefill")
+    assert not missing.passed and missing.function == "prefill"
+    assert missing.not_in_plan == ("the compute plan has no function 'prefill' (it has main): "
+                                   "its placement is unknown")
+    assert missing.to_dict()["passed"] is False
+
+
+@pytest.fixture
+def as_if_planned(coreml_standin, monkeypatch):
+    """The stand-in's plan table taken for a real plan: residency's verdicts are computed (the
+    stand-in otherwise marks every report 'placement unknown')."""
+    from ane_spec.probes import residency
+
+    monkeypatch.setattr(residency, "hardware_problem", lambda: None)
+    return coreml_standin
+
+
+def test_residency_judges_each_function_of_a_layer_package(as_if_planned, builds,
+                                                           tmp_path: Path) -> None:
+    """One compute plan per package, walked per function: with the prefill function's selects on
+    the CPU and everything else on the ANE, `main` passes and `prefill` fails, and the gate,
+    `probe residency` and the doctor each say which function."""
+    from ane_spec.manifests.store import load_manifest
+    from ane_spec.probes.doctor import DoctorRun, check_residency, run_one
+    from ane_spec.probes.gates import gate_residency, residency_or_lint
+    from ane_spec.probes.residency import residency_reports
+
+    shard, head = builds["int8-channel"]
+    facts = read_package_facts(shard, "prefill")
+    as_if_planned.set_rules(plan_devices={"default": "NeuralEngine"})
+    both = residency_reports(shard)
+    assert [(r.function, r.passed) for r in both] == [("main", True), ("prefill", True)]
+    assert both[1].conv_total == facts.ops["conv"] > 0
+    assert [r.function for r in residency_reports(head)] == ["main"]
+
+    as_if_planned.set_rules(plan_devices={"default": "NeuralEngine", "functions": {
+        "prefill": {"ops": {"select": "CPU"}}}})
+    main, prefill = residency_reports(shard)
+    assert main.passed and not prefill.passed
+    assert prefill.compute_non_ane == facts.ops["select"] > 0
+    assert {(o["op"], o["device"]) for o in prefill.non_ane_ops} == {
+        ("select", "MLCPUComputeDevice")}
+
+    report = residency_or_lint(shard)
+    assert not report.passed and report.skipped is None
+    assert report.figures["compute_non_ane"] == report.figures["prefill_compute_non_ane"] == (
+        facts.ops["select"])
+    assert [p["function"] for p in report.details["packages"]] == ["main", "prefill"]
+
+    loaded = load_manifest(shard.parents[1])
+    gate = gate_residency(loaded)
+    assert not gate.passed and gate.figures["prefill_compute_non_ane"] == facts.ops["select"]
+    assert gate.figures["planned_t"] == 4 and gate.figures["planned_prefill_t"] == 64
+    assert f"prefill_compute_non_ane {facts.ops['select']}," in gate.summary()
+
+    verdict = run_one(check_residency, DoctorRun(loaded, tmp_path))
+    assert verdict.status == "failed", verdict.summary
+    assert "the prefill function at its fixed T=64" in verdict.summary
+    assert verdict.details["shard 0-1"]["passed"] and not verdict.details[
+        "shard 0-1 prefill"]["passed"]
+    assert verdict.details["planned_prefill_t"] == 64
+
+
+def two_function_package(path: Path, channels: int, prefill_t: int) -> Path:
+    """`main` (T 1..4) and `prefill` (T = prefill_t) of one program whose reshape puts
+    channels x T / 32 rows on a spatial axis: only the prefill function's is wide."""
+    from ane_spec.shards.programs import with_prefill, save_package
+
+    def program(t):  # noqa: ANN001
+        @mb.program(input_specs=[mb.TensorSpec((1, channels, t, 1), dtype=types.fp16)],
+                    opset_version=OPSET)
+        def prog(x):
+            rows = mb.reshape(x=x, shape=[1, 1, -1, 32], name="rows")
+            return mb.mul(x=rows, y=np.float16(2), name="out")
+        return prog
+
+    save_package(with_prefill(program(get_new_symbol()), program(prefill_t)), path)
+    return path
+
+
+def test_the_lint_reads_each_function_at_its_own_shape(tmp_path: Path) -> None:
+    """A limit that depends on T is checked in each function at its T: 2,048 channels as rows of
+    32 are 256 rows at T=4 and 32,768 at T=512, above the ANE's 16,384 (ANEMLL's figure); only
+    the prefill function is flagged, saying so, with the source."""
+    package = two_function_package(tmp_path / "wide.mlpackage", 2048, 512)
+    [warning] = ane_lint(package)
+    assert (warning.code, warning.function) == ("width", "prefill")
+    assert warning.message.startswith("function 'prefill': ")
+    assert "'rows', reshape [1, 1, 32768, 32]" in warning.message and "ANEMLL" in warning.message
+    assert ane_lint(two_function_package(tmp_path / "ok.mlpackage", 2048, 256)) == []
+
+
+def test_reduction_depth_and_argmax_width_are_linted_with_their_sources(tmp_path: Path) -> None:
+    """A conv summing 20,000 products (larql#312's limit is 16,384) and an argmax over 20,000
+    values (Anemll keeps them to 16,384) are flagged; the same at 16,384 are not. (A matmul's
+    summed axis is its input's last, a spatial one: past 16,384 it is flagged as a width too.)"""
+    def package(n: int) -> Path:
+        @mb.program(input_specs=[mb.TensorSpec((1, n, 1, 1), dtype=types.fp16)],
+                    opset_version=OPSET)
+        def prog(x):
+            dot = mb.conv(x=x, weight=np.ones((2, n, 1, 1), np.float16), name="dot")
+            best = mb.reduce_argmax(x=x, axis=1, keep_dims=True, name="best")
+            return dot, best
+        return save(prog, tmp_path / f"{n}.mlpackage", [fp16_input("x", (1, n, 1, 1))])
+
+    warnings = {w.code: w.message for w in ane_lint(package(20000))}
+    assert sorted(warnings) == ["argmax", "argmax-width", "reduction-depth"]
+    assert "'dot', conv over 20,000" in warnings["reduction-depth"]
+    assert "larql#312" in warnings["reduction-depth"]
+    assert "'best', 20,000" in warnings["argmax-width"] and "Anemll" in warnings["argmax-width"]
+    assert codes(package(16384)) == ["argmax"]
+
+
+def test_a_real_build_lints_both_functions_clean(builds) -> None:
+    """The project's own layer package at P = 64: both functions read, nothing flagged; its
+    prefill function's facts are those of T = 64 (the scatter sums over the chunk's rows)."""
+    shard = builds["int8-channel"][0]
+    assert ane_lint(shard) == []
+    prefill = read_package_facts(shard, "prefill")
+    assert ("matmul", 64) in {(op, depth) for _, op, depth in prefill.reductions}
+    widest = max(max(shape[-2:]) for _, shape in prefill.output_shapes.values())
+    assert widest == 3 * 64  # the scores' G x P rows (3 query heads per K/V head)
+
+
+# --- the gate's policy, through the stand-in's compute plan (issue 35 items 4 and 5) ----------
+
+def _standin_report(coreml_standin, coreml_build, table, strict=False, **rules):  # noqa: ANN001
+    from ane_spec.manifests.store import load_manifest
+
+    coreml_standin.set_rules(plan_devices=table, **rules)
+    loaded = load_manifest(coreml_build[0])
+    entry = loaded.manifest.shards[0].file
+    return residency_report(loaded.path(entry), "CPU_AND_NE", sha256=entry.sha256,
+                            strict=strict)
+
+
+# Relative costs: a conv or matmul is the work; a reshape or a state read next to nothing.
+COSTS = {"conv": 100.0, "matmul": 50.0, "default": 0.5}
+
+
+def test_a_reshape_on_the_cpu_passes_the_gate_listed_with_its_cost_and_fails_strict(
+        coreml_standin, coreml_build) -> None:
+    table = {"default": "NeuralEngine", "ops": {"reshape": "CPU"}, "costs": COSTS}
+    report = _standin_report(coreml_standin, coreml_build, table)
+    assert report.conv_non_ane == 0 and report.compute_non_ane == 16  # the 16 reshapes
+    assert report.ane_cost_share > 0.95 and report.passed
+    listed = {(o["op"], o["device"]) for o in report.non_ane_ops}
+    assert listed == {("reshape", "MLCPUComputeDevice")}
+    assert all(0 < o["cost"] < 0.01 for o in report.non_ane_ops)
+    strict = _standin_report(coreml_standin, coreml_build, table, strict=True)
+    assert not strict.passed and strict.compute_non_ane == 16
+
+
+def test_a_conv_off_the_ane_or_a_costly_share_off_it_fails_the_gate(coreml_standin,
+                                                                     coreml_build) -> None:
+    conv = _standin_report(coreml_standin, coreml_build,
+                           {"default": "NeuralEngine", "ops": {"conv": "GPU"}, "costs": COSTS})
+    assert conv.conv_non_ane == 8 and not conv.passed
+    matmul = _standin_report(coreml_standin, coreml_build,
+                             {"default": "NeuralEngine", "ops": {"matmul": "CPU"},
+                              "costs": COSTS})
+    assert matmul.conv_non_ane == 0 and matmul.ane_cost_share < 0.95 and not matmul.passed
+    # Off the ANE with no cost given: the share cannot be shown, so it does not pass.
+    uncosted = _standin_report(coreml_standin, coreml_build,
+                               {"default": "NeuralEngine", "ops": {"reshape": "CPU"}})
+    assert uncosted.ane_cost_share is None and not uncosted.passed
+
+
+def test_a_small_program_is_planned_on_the_cpu_whatever_its_ops(coreml_standin,
+                                                                 coreml_build) -> None:
+    table = {"default": "NeuralEngine", "costs": COSTS}
+    assert _standin_report(coreml_standin, coreml_build, table).passed
+    small = _standin_report(coreml_standin, coreml_build, table,
+                            small_program_elements=10_000_000)
+    assert small.compute_non_ane == small.compute_total > 0 and not small.passed
+
+
+def test_a_non_default_rangedim_shape_under_infrequent_runs_off_the_ane(coreml_standin,
+                                                                         coreml_build) -> None:
+    """coremltools #2370: with Infrequent, a RangeDim model runs on the ANE only at its default
+    shape (T=4 in these builds); a T=1 pass runs off it."""
+    from ane_spec.manifests.store import load_manifest
+    from ane_spec.runtime.coreml_backend import CoreMLBackend
+
+    loaded = load_manifest(coreml_build[0])
+    entry = loaded.manifest.shards[0]
+    program = CoreMLBackend("CPU_AND_NE", "Infrequent").load(loaded.path(entry.file))
+    state = program.make_state()
+
+    def inputs(t: int) -> dict:
+        return {s.name: np.zeros([t if d == "T" else d for d in s.shape], np.float16)
+                for s in entry.inputs}
+
+    keep = []  # inputs outlive Core ML's hold on them (the lifetime rule)
+    keep.append(inputs(4))
+    program.predict(keep[-1], state)
+    assert program.model._proxy.placement == "as planned"
+    keep.append(inputs(1))
+    program.predict(keep[-1], state)
+    assert "#2370" in program.model._proxy.placement

@@ -10,9 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 from ane_spec.cli import main
 from ane_spec.errors import BuildError
+from ane_spec.manifests.residual_report import describe as describe_residual_scale
 from ane_spec.manifests.schema import MANIFEST_NAME
 from ane_spec.manifests.store import load_manifest
 from ane_spec.model.activation_range import FP16_MAX, ActivationRanges, LayerRange
@@ -29,8 +32,10 @@ from ane_spec.shards.residual_scale import (
     choose_log2,
     parse_residual_scale,
     scale_conv_weight,
+    scale_fp16,
 )
 from ane_spec.shards.weights import convert_matrix
+from tests.gguf_edit import rewrite_gguf
 
 S = 64
 TOKENS = [int(t) for t in np.random.default_rng(0).integers(0, 1024, 32)]
@@ -126,6 +131,62 @@ def test_scaling_a_conv_weight_scales_its_stored_values_exactly(tiny_gguf: Path,
     assert np.array_equal(scaled.data, w.data) or fmt == "fp16"  # int data untouched
     assert count.values > 0 and count.inexact == 0
     assert np.array_equal(_dense(scaled), _dense(w) / 8)
+
+
+def _inexact(values: np.ndarray, log2: int) -> int:
+    """How many fp16 `values` x 2^log2 (log2 < 0) fp16 cannot hold, by the format's rule and
+    not by rounding anything: a result that stays normal (>= 2^-14) keeps its 11 significant
+    bits; a subnormal one must be a whole multiple of 2^-24."""
+    x = np.abs(values.astype(np.float64)) * 2.0 ** log2  # exact in float64
+    return int(np.count_nonzero((x < 2.0 ** -14) & (np.mod(x * 2.0 ** 24, 1.0) != 0)))
+
+
+@pytest.mark.parametrize("log2", [-1, -3, -12])
+def test_the_fold_counts_the_values_that_go_subnormal_and_lose_bits(log2: int) -> None:
+    """Every finite fp16 value, folded by 2^log2: the count of inexact ones is the format's
+    (subnormals whose low bits fall off, small normals that become such subnormals), and the
+    exact ones are exactly value x 2^log2."""
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    every = every[np.isfinite(every)]
+    out, count = scale_fp16(every, log2, "every fp16 value")
+    want = _inexact(every, log2)
+    assert count.values == every.size and count.inexact == want
+    assert want > 1000  # 2^-1: the odd subnormals alone are 1022
+    exact = out.astype(np.float64) == every.astype(np.float64) * 2.0 ** log2
+    assert np.count_nonzero(~exact) == want
+    # Values far from fp16's subnormals fold exactly, counted as such.
+    assert scale_fp16(np.float16([1.0, -3.5, 0.0, 1e-3, 6e4]), -3, "w")[1].inexact == 0
+
+
+def test_a_build_records_the_inexact_values_of_each_package(tiny_gguf: Path,
+                                                             tmp_path: Path) -> None:
+    """Rows of blk.0.ffn_down shrunk by 1e-4 have int8-channel scales near fp16's subnormal
+    range, so a 2^-3 fold cannot scale them exactly: the manifest counts them, per package, as
+    many as the format's rule finds in the stored scales; the untouched layers count none."""
+    def shrink(name: str, data: np.ndarray, qtype: GGMLQuantizationType):  # noqa: ANN202
+        if name != "blk.0.ffn_down.weight":
+            return None
+        values = gguf_quants.dequantize(data, qtype)
+        values[::3] *= 1e-4
+        return gguf_quants.quantize(values, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0
+
+    gguf = rewrite_gguf(tiny_gguf, tmp_path / "small-rows.gguf", tensor_override=shrink)
+    out = tmp_path / "art"
+    build(gguf, out, BuildRequest(topology="1,2", max_seq=S, residual_scale="2^-3",
+                                  weights="int8-channel"))
+    recorded = load_manifest(out).manifest.residual_scale.inexact_values
+    model = open_gguf(gguf)
+    want = {}
+    for rel, layers in (("shards/layers_00_01.mlpackage", [0]),
+                        ("shards/layers_01_03.mlpackage", [1, 2])):
+        want[rel] = sum(_inexact(convert_matrix(model.tensor(f"blk.{i}.{name}.weight"),
+                                                "int8-channel").scale, -3)
+                        for i in layers for name in ("attn_output", "ffn_down"))
+    assert want["shards/layers_00_01.mlpackage"] > 20  # of the 64 shrunk rows' scales
+    assert want["shards/layers_01_03.mlpackage"] == 0
+    assert {k: v for k, v in recorded.items() if k.startswith("shards/")} == want
+    assert "stored value(s) not scaled exactly (fp16 subnormals)" in "\n".join(
+        describe_residual_scale(load_manifest(out).manifest.residual_scale))
 
 
 def _dense(w) -> np.ndarray:

@@ -2,12 +2,14 @@
 full-length one, exact speculative decoding, KV slots (spill, restore, prefix copy, slot files),
 the manifest's record and the state budget.
 
-Fixture: `gemma3-tiny` (window 8: rings of W + 4 = 12 slots, rounded up to 32 for the ANE's
-state dimensions) at max_seq 64, topology 2,1,1 (an
-all-local shard, an all-global one and another local one), built twice: with rings (the
-default) and with full-length local states (`swa_ring=False`, the layout before rings). Seed 11
-with embedding std 0.02 varies the greedy output, as the drafter needs (test_gemma3_stack.py).
-Every prompt below is longer than the ring, so its slots wrap.
+Fixture: `gemma3-tiny` (window 8) at max_seq 64 with a prefill function of P = 24 rows: rings of
+W + P = 32 slots, the widest pass's ring and already a multiple of 32 for the ANE's state
+dimensions, so the ring is as tight as `ring_rows` makes it (one slot above the least, W + P - 1).
+Topology 2,1,1 (an all-local shard, an all-global one and another local one), built twice: with
+rings (the default) and with full-length local states (`swa_ring=False`, the layout before
+rings). Seed 11 with embedding std 0.02 varies the greedy output, as the drafter needs
+(test_gemma3_stack.py). Every prompt below is longer than the ring, so its slots wrap, within a
+prefill chunk too.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ from ane_spec.model.inspect import describe, format_description, kv_rings
 from ane_spec.model.swa_ring import RingSlots, kv_state_bytes, ring_rows
 from ane_spec.model.synthetic import PRESETS, preset, write_synthetic_gguf
 from ane_spec.probes.gates import open_pipeline
+from ane_spec.probes.row_invariance import state_arrays
 from ane_spec.runtime.pipeline import prefill_logits
 from ane_spec.runtime.state_budget import slot_budget, state_bytes
 from ane_spec.shards.build import BuildRequest, build
 from tests.test_slots import split, with_header
 
-S, W, R = 64, 8, 32
+S, W, R, P = 64, 8, 32, 24
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +46,9 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     gguf = write_synthetic_gguf(root / "gemma3.gguf", preset("gemma3-tiny", seed=11,
                                                               embed_std=0.02))
     out = {"ring": root / "ring", "full": root / "full", "gguf": gguf}
-    build(gguf, out["ring"], BuildRequest(topology="2,1,1", max_seq=S))
-    build(gguf, out["full"], BuildRequest(topology="2,1,1", max_seq=S, swa_ring=False))
+    build(gguf, out["ring"], BuildRequest(topology="2,1,1", max_seq=S, prefill_t=P))
+    build(gguf, out["full"], BuildRequest(topology="2,1,1", max_seq=S, prefill_t=P,
+                                          swa_ring=False))
     return out
 
 
@@ -59,35 +63,46 @@ def prompt(seed: int, n: int) -> list[int]:
 
 # --- the ring size -----------------------------------------------------------------------------
 
-def simulate(rows: int, window: int, seed: int) -> int:
+def simulate(rows: int, window: int, seed: int, prefill_t: int = 0) -> int:
     """A conversation of T<=4 passes with random rejections and occasional resumes at shorter
-    prefixes (only where `holds_window` allows), on a ring of `rows` slots. Returns how many
-    rows saw a visible set other than exactly their window's positions."""
+    prefixes (only where `holds_window` allows), on a ring of `rows` slots; with `prefill_t`,
+    one pass in four is a prompt chunk of up to that many rows instead (all kept, padding rows
+    at the last real row's position, writing nothing), as a new turn's prompt after rejected
+    drafts is. Returns how many rows saw a visible set other than exactly their window's
+    positions."""
     rng = np.random.default_rng(seed)
     ring, n, wrong = RingSlots(rows, window), 0, 0
     for _ in range(400):
         if rng.random() < 0.05:
             r = int(rng.integers(max(0, n - 6), n + 1))
             n = r if ring.holds_window(r) else 0
-        t = int(rng.integers(1, 5))
+        chunk = prefill_t and rng.random() < 0.25
+        t = int(rng.integers(1, prefill_t + 1 if chunk else 5))
         positions = np.arange(n, n + t)
         ring.write(positions)
-        visible = ring.visible(positions)
-        for p, row in zip(positions, visible):
+        rows_at = np.concatenate([positions, np.full((prefill_t - t) if chunk else 0,
+                                                     n + t - 1, dtype=np.int64)])
+        for p, row in zip(rows_at, ring.visible(rows_at)):
             want = sorted(range(max(0, p - window + 1), p + 1))
             wrong += sorted(ring.held[row].tolist()) != want
-        n += int(rng.integers(1, t + 1))  # the first row (the pending token) is always kept
+        # A prompt chunk keeps every row; a verify pass its first (the pending token) at least.
+        n += t if chunk else int(rng.integers(1, t + 1))
     return wrong
 
 
-def test_w_plus_4_slots_keep_every_window_through_rejections_and_rollbacks() -> None:
-    """W + MAX_T - 1 is the least ring that keeps every row's window whole (model/swa_ring.py
-    says why); W + 4 (one spare) does, and W + 2 loses positions some row needs."""
+def test_w_plus_widest_pass_slots_keep_every_window_through_rejections_and_rollbacks() -> None:
+    """W + T - 1 is the least ring that keeps every row's window whole, T the widest pass
+    (model/swa_ring.py says why); W + T (one spare) does, and W + T - 2 loses positions some
+    row needs: T = 4 for decode-shape passes, T = P for prompt chunks between them."""
     assert ring_rows(W, 4) == 32 and ring_rows(512, 4) == 544 and ring_rows(28, 4) == 32
+    assert ring_rows(W, P) == R and ring_rows(512, 64) == 576 and ring_rows(1024, 64) == 1088
     for seed in range(3):
         assert simulate(W + 4, W, seed) == 0
         assert simulate(W + 3, W, seed) == 0
+        assert simulate(W + P, W, seed, prefill_t=P) == 0
+        assert simulate(W + P - 1, W, seed, prefill_t=P) == 0
     assert simulate(W + 2, W, 0) > 0
+    assert simulate(W + P - 2, W, 0, prefill_t=P) > 0
 
 
 def test_ring_slot_positions() -> None:
@@ -202,6 +217,60 @@ def test_speculative_equals_greedy_and_the_full_length_tokens(builds, ring16) ->
         accepted += out.stats.accepted
         rejected += out.stats.drafted - out.stats.accepted
     print("ring spec: accepted", accepted, "rejected", rejected)
+    assert accepted > 0 and rejected > 0
+
+
+def test_prefill_chunks_past_the_wrap_write_what_decode_passes_write(builds, ring16) -> None:
+    """60-token prompts in prefill chunks of 24: the second chunk (positions 24..47) wraps the
+    32-slot ring inside one pass, and overwrites positions 0..15 while its first row still needs
+    17..23. Every row's logits and every state, ring slots included, bitwise equal to the same
+    prompt in T=4 passes (the interpreter is row-invariant across shapes: `probe
+    row-invariance`), and the same argmax as the full-length build's prefill chunks."""
+    full = open_pipeline(builds["full"], "mil", "fp16")[1]
+    for seed in (1, 2):
+        toks = prompt(seed, 60)
+        by_chunks, by_blocks = ring16.new_state(), ring16.new_state()
+        chunked = prefill_logits(ring16, toks, by_chunks, prefill=True)
+        blocked = prefill_logits(ring16, toks, by_blocks)
+        assert np.array_equal(chunked, blocked)
+        assert by_chunks.ring.positions() == by_blocks.ring.positions()
+        assert all(np.array_equal(a, b) for a, b in zip(state_arrays(ring16, by_chunks),
+                                                        state_arrays(ring16, by_blocks)))
+        wide = prefill_logits(full, toks, prefill=True)
+        cos = (chunked * wide).sum(1) / np.linalg.norm(chunked, axis=1) / np.linalg.norm(wide,
+                                                                                       axis=1)
+        assert cos.min() >= 0.99999 and (chunked.argmax(1) == wide.argmax(1)).all()
+
+
+def test_speculative_equals_greedy_after_prefill_chunks_past_the_wrap(builds, ring16) -> None:
+    """Prompts of 48..52 tokens through the prefill function (--prefill on: two full chunks of
+    24, the second wrapping the ring while its first row needs the window before it, then the
+    rest padded), then 8 tokens with rejected drafts leaving stale ring slots, then a second
+    turn whose chunk starts where the first turn ended, over those stale slots: speculative ==
+    greedy, == the same prompts prefilled at T=4 (--prefill off), == the full-length build's,
+    and the continued turn == a fresh session's."""
+    full = open_pipeline(builds["full"], "mil", "fp16")[1]
+    rng = np.random.default_rng(6)
+    accepted = rejected = 0
+    for _ in range(3):
+        p = rng.integers(0, 1000, int(rng.integers(48, 53))).tolist()
+        options = GenerateOptions(max_tokens=8)
+        session = DecodeSession(ring16, prefill="on")
+        out = session.generate(p, options)
+        greedy = DecodeSession(ring16, prefill="on").generate(
+            p, GenerateOptions(max_tokens=8, speculative=False))
+        blocks = DecodeSession(ring16, prefill="off").generate(p, options)
+        want = DecodeSession(full, prefill="on").generate(p, options)
+        assert out.stats.prefill_function_passes == 3
+        assert out.tokens == greedy.tokens == blocks.tokens == want.tokens, p
+        accepted += out.stats.accepted
+        rejected += out.stats.drafted - out.stats.accepted
+        follow = [*session.kv_tokens, *rng.integers(0, 1000, 3).tolist()]  # <= 62 tokens
+        turn = session.generate(follow, GenerateOptions(max_tokens=2))
+        assert turn.stats.reused_prefix_tokens == len(follow) - 3
+        fresh = DecodeSession(ring16, prefill="on").generate(follow, GenerateOptions(max_tokens=2))
+        assert turn.tokens == fresh.tokens, follow
+    print("ring after prefill chunks: accepted", accepted, "rejected", rejected)
     assert accepted > 0 and rejected > 0
 
 

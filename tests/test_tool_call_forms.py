@@ -39,15 +39,22 @@ prompts); the other templates' formats. Phi-4-mini: llama.cpp has no parser or t
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
+import sys
 from functools import lru_cache
+from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from ane_spec.daemon import call_forms
 from ane_spec.daemon.call_forms import HERMES_TAGS
 from ane_spec.daemon.protocol import Tool
-from ane_spec.daemon.tool_formats import HERMES, LLAMA3, HermesFormat, Llama3Format
+from ane_spec.daemon.tool_formats import HERMES, LLAMA3, PHI4, HermesFormat, Llama3Format
 from ane_spec.decode.grammar import Grammar, lark_grammar
 from tests.test_tool_formats import accepts, tokenizer
 
@@ -202,6 +209,80 @@ def test_the_auto_grammars_keep_text_text() -> None:
         assert parse(LLAMA3, reply)[1] == [("get_weather", ARGS)]
     assert accepts(grammar, tok.encode("It is sunny."))
     assert not accepts(grammar, tok.encode(call.replace("get_weather", "rm_rf")))
+
+
+# -- whitespace runs (issue 36) -------------------------------------------------------------------
+
+BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench_tool_call_parser.py"
+_bench_spec = importlib.util.spec_from_file_location("bench_tool_call_parser", BENCH)
+bench = importlib.util.module_from_spec(_bench_spec)
+_bench_spec.loader.exec_module(bench)
+FAMILIES = {"hermes": HERMES, "llama3": LLAMA3, "phi4": PHI4}
+
+
+def test_a_whitespace_run_costs_linear_time_in_every_familys_forms() -> None:
+    """64 KiB of whitespace, then `x`, in plain text and after every kind of opening, header
+    and call, read whole and in 4-character pieces: each well under 100 ms, checked as < 1 s
+    (a quadratic parse took 19.9 s for 16,000 spaces; streamed, 8,000 took over 60 s). The
+    script runs each case in a child process it kills after 5 s, so a slow parser fails the
+    test instead of hanging it."""
+    out = subprocess.run([sys.executable, str(BENCH), "--json", "--timeout", "5"],
+                         capture_output=True, text=True, timeout=600, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert {r["family"] for r in rows} == set(FAMILIES) and len(rows) > 20
+    for r in rows:
+        print(f"{r['family']:7} {r['case']:24} whole {r['whole']} s, 4-char pieces "
+              f"{r['pieces']} s")
+    slow = [(r["family"], r["case"], r["whole"], r["pieces"]) for r in rows
+            if r["whole"] is None or r["pieces"] is None or max(r["whole"], r["pieces"]) >= 1]
+    assert not slow, slow
+
+
+def test_a_whitespace_run_reads_the_same_whole_and_streamed() -> None:
+    run = (bench.WS * 7000)[:64 * 1024]
+    for family, openings in bench.cases().items():
+        fmt = FAMILIES[family]
+        for name, opening in openings.items():
+            text = opening + run + "x"
+            whole = parse(fmt, text)
+            assert parse(fmt, text, 4) == whole, (family, name)
+            short = opening + run[:700] + "x"
+            assert parse(fmt, short, 1) == parse(fmt, short), (family, name)
+            if name == "text":  # no call, and not a character held back or lost
+                assert whole == (text, [])
+
+
+@pytest.mark.parametrize("forms", [call_forms.HERMES_FORMS, call_forms.LLAMA3_FORMS])
+def test_an_opening_begins_only_at_its_openers(forms) -> None:
+    """The search tries only `Forms.openers` (and whitespace before a Hermes `{`): no other
+    character may begin an opening."""
+    starts = {chr(c) for c in range(0x3000) if forms.trigger.could_become(chr(c))}
+    assert {c for c in starts if not c.isspace()} == set(forms.openers)
+    assert forms.space_opens == any(c.isspace() for c in starts)
+
+
+FRAGMENTS = ["<tool_call>", "</tool_call>", "```json\n", "```", "{", "}", '"name"', ": ", '"f"',
+             ", ", '"arguments"', '"parameters"', '"type": "function", ', "{}", '{"a": [1, "}"]}',
+             "<function=", "f>", '<function name="', 'f">', "</function>", " ", "\n", "\t",
+             "    ", "x", "<", ">", "<tools>", '"', "\\", "<|tool_call|>", "[", "]", ",",
+             "<|/tool_call|>", '{"name": "f", "arguments": {"a": 1}}']
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(FRAGMENTS), max_size=24),
+       st.lists(st.integers(1, 9), min_size=1, max_size=40), st.sampled_from(sorted(FAMILIES)))
+def test_any_text_reads_the_same_in_any_pieces(fragments, sizes, family) -> None:
+    """Whitespace pieces are queued, not parsed, while a check waits on text ending in
+    whitespace: whatever the cut, the content and calls are those of the text read whole."""
+    text, fmt = "".join(fragments), FAMILIES[family]
+    parser, content, i, k = fmt.parser(), "", 0, 0
+    while i < len(text):
+        n = sizes[k % len(sizes)]
+        content += parser.feed(text[i:i + n])[0]
+        i, k = i + n, k + 1
+    content += parser.finish()
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in parser.calls]
+    assert (content, calls) == parse(fmt, text)
 
 
 # -- live: constructed grammars on real servers ---------------------------------------------------
@@ -410,3 +491,36 @@ def test_the_server_rechecks_calls_end_to_end(servers, forced, bad: str) -> None
     assert status == 500 and error and not calls, (status, error, calls)
     status, calls, error = ollama(url, True)
     assert error, (status, calls)
+
+
+def test_tool_call_parsing_runs_off_the_event_loop() -> None:
+    """The server parses each streamed piece in a worker thread: while a parser works (here,
+    blocked until released), the event loop goes on serving other tasks."""
+    import asyncio
+    import threading
+
+    from ane_spec.daemon.finish import _parse
+
+    started, release = threading.Event(), threading.Event()
+
+    class BlockingParser:
+        def feed(self, text: str):
+            started.set()
+            release.wait(5)
+            return text, []
+
+        def finish(self) -> str:
+            return "!"
+
+    async def main() -> None:
+        parsing = asyncio.create_task(_parse(BlockingParser(), "piece", last=True))
+        assert await asyncio.to_thread(started.wait, 5)
+        ticks = 0
+        for _ in range(5):  # the loop runs while the parser is blocked
+            await asyncio.sleep(0.01)
+            ticks += 1
+        assert ticks == 5 and not parsing.done()
+        release.set()
+        assert await parsing == ("piece!", [])
+
+    asyncio.run(main())

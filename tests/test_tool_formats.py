@@ -127,6 +127,29 @@ def test_parsers_read_whole_and_piecewise_alike(family: str) -> None:
     assert plain.feed("  Hello {x}")[0] + plain.finish() == "  Hello {x}" and not plain.calls
 
 
+def test_check_calls_refuses_what_the_tools_do_not_allow() -> None:
+    """The last guard before calls reach a client: a tool not among those given, arguments
+    that are not JSON or that the tool's schema rejects, each named; any call of a list."""
+    def call(name: str, arguments: str) -> dict:
+        return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+    clock = Tool.model_validate({"type": "function", "function": {"name": "get_time"}})
+    ok = call("get_weather", '{"city": "Paris"}')
+    assert check_calls([ok, call("get_time", "{}")], [WEATHER, clock]) is None
+    assert check_calls([], []) is None
+    assert check_calls([call("get_time", "{}")], [WEATHER]) == \
+        "the model called 'get_time', which is not one of the tools given"
+    assert check_calls([ok, call("rm_rf", "{}")], [WEATHER, clock]) == \
+        "the model called 'rm_rf', which is not one of the tools given"
+    assert check_calls([ok], []) == \
+        "the model called 'get_weather', which is not one of the tools given"
+    assert check_calls([call("get_weather", '{"city": ')], [WEATHER]) == \
+        "the arguments of the call to 'get_weather' are not JSON"
+    refused = check_calls([ok, call("get_weather", '{"town": "Paris"}')], [WEATHER])
+    assert refused is not None and refused.startswith(
+        "the arguments of the call to 'get_weather' do not match its schema (")
+
+
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
 def test_prompts_carry_the_real_tool_sections_and_text_stays_text(family: str) -> None:
     from ane_spec.daemon.protocol import ChatCompletionRequest

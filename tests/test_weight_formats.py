@@ -23,9 +23,10 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from ane_spec.errors import BuildError
+from ane_spec.manifests.inspect_build import describe_build, format_build
 from ane_spec.manifests.store import load_manifest
 from ane_spec.model.gguf_file import open_gguf
-from ane_spec.model.inspect import describe, describe_build, format_build, format_description
+from ane_spec.model.inspect import describe, format_description
 from ane_spec.model.reference import ReferenceModel
 from ane_spec.model.synthetic import preset, write_synthetic_gguf
 from ane_spec.probes.gates import open_pipeline

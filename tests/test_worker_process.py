@@ -92,3 +92,26 @@ def test_output_slabs_are_reused_once_free() -> None:
         assert arrays.output_slab(1000) is slab
     finally:
         arrays.close()
+
+
+def exits_without_shutdown(channel) -> Handler:  # noqa: ANN001
+    """A handler whose process leaves a mark if its interpreter shuts down normally (atexit
+    runs then; `os._exit` skips it)."""
+    import atexit
+
+    marker = os.environ["ANE_SPEC_TEST_EXIT_MARKER"]
+    atexit.register(lambda: open(marker, "w").close())
+    return Handler(channel)
+
+
+def test_the_worker_exits_at_once_after_answering_stop(tmp_path, monkeypatch) -> None:
+    """After `__stop__` the worker ends with os._exit(0): no interpreter shutdown, so nothing
+    Core ML may still hold is freed module by module while its queues run."""
+    marker = tmp_path / "shut-down-normally"
+    monkeypatch.setenv("ANE_SPEC_TEST_EXIT_MARKER", str(marker))
+    worker = WorkerProcess("exit worker", exits_without_shutdown)
+    assert worker.call("add", 1, 1) == 2
+    proc = worker._proc
+    worker.close()
+    assert proc.exitcode == 0
+    assert not marker.exists()  # no atexit ran: the process did not shut down normally

@@ -21,6 +21,19 @@ writes those forms (the real Qwen2.5-Coder fences its call), so the union is acc
 Whitespace right before a Hermes call's opening `{` belongs to the call (the old regex's
 `\\s*\\{`), as does whitespace after any call.
 
+Time: linear in the text, whole or streamed (issue 36: a whitespace run cost quadratic time,
+cubic streamed, on the server's event loop: 4,000 spaces took 1.55 s, 8,000 fed 4 characters
+at a time over 60 s). The search for an opening is anchored at the characters one can begin
+with (`Forms.openers`; the whitespace a Hermes `{` may take before it is found by looking
+back from the `{`), openings ruled out are never looked at again, and whitespace is matched
+possessively (`\\s*+`), so two runs side by side never backtrack into each other. A check
+that said "may still become" on text ending in whitespace is not repeated while only
+whitespace arrives (`FormParser._idle`): every piece here stays what it was when more whitespace
+follows (each whitespace literal is followed by `WS`; names take any character), and no
+opening, header or closer ends in whitespace unless `WS` ends it. Names are bounded
+(`NAME_LIMIT`), the only other part without one. `scripts/bench_tool_call_parser.py` prints
+each family's time on 64 KiB of whitespace.
+
 The `auto` grammar (llguidance Lark) lets the model write text, or text then calls in any of
 these forms, each call's name one of the tools and its arguments valid against that tool's
 schema. llama.cpp does this with a lazy grammar that a trigger switches on; here text is a
@@ -41,7 +54,7 @@ from functools import lru_cache
 from typing import Any
 
 from ane_spec.daemon.protocol import NamedToolChoice, Tool, tool_call_delta
-from ane_spec.daemon.tools import JsonScan
+from ane_spec.daemon.tools import JsonScan, StreamedCalls
 from ane_spec.decode.grammar import JSON_OPTIONS
 from ane_spec.decode.json_tightening import tighten
 
@@ -88,9 +101,16 @@ class Rx(Piece):
         return f"(?:{self.start})"
 
 
-WS = Rx(r"\s*", r"\s*")
-# A JSON string's body and its closing quote.
-STRING_BODY = Rx(r'(?:[^"\\]|\\.)*"', r'(?:[^"\\]|\\.)*(?:\\|")?')
+# Possessive: a run is never given back, so `WS WS` or `WS` then a failing literal costs one
+# pass over the run, not one per character of it.
+WS = Rx(r"\s*+", r"\s*+")
+# The characters of a call's name: tool names are at most 64 (protocol.Tool); a longer name
+# names no tool, and unbounded it was the one part besides whitespace that a stream re-matched
+# from its start at every piece.
+NAME_LIMIT = 512
+# A JSON string's body (a name) and its closing quote.
+NAME_STRING = Rx(r'(?:[^"\\]|\\.){0,%d}"' % NAME_LIMIT,
+                 r'(?:[^"\\]|\\.){0,%d}(?:\\|")?' % NAME_LIMIT)
 
 
 class Seq(Piece):
@@ -148,9 +168,9 @@ class Pattern:
         self.regex = re.compile(piece.full(groups=True))
         self._prefix = re.compile(piece.prefix())
 
-    def could_become(self, text: str) -> bool:
-        """Whether `text` is a prefix of some match (a match included)."""
-        return self._prefix.fullmatch(text) is not None
+    def could_become(self, text: str, pos: int = 0) -> bool:
+        """Whether `text[pos:]` is a prefix of some match (a match included)."""
+        return self._prefix.fullmatch(text, pos) is not None
 
 
 # --- the forms -----------------------------------------------------------------------------------
@@ -161,7 +181,7 @@ FENCE = Seq("```", Opt(Alt("xml", "json")), "\n", WS)
 
 def _header(arguments_key: str) -> Piece:
     """From just after `"name"` through the arguments' key and colon."""
-    return Seq(WS, ":", WS, '"', Group("name", STRING_BODY), WS, ",", WS,
+    return Seq(WS, ":", WS, '"', Group("name", NAME_STRING), WS, ",", WS,
                f'"{arguments_key}"', WS, ":", WS)
 
 
@@ -169,11 +189,18 @@ def _header(arguments_key: str) -> Piece:
 class Forms:
     """A family's openings (`trigger`: leftmost match starts a call), what follows each kind of
     opening up to the arguments (`headers`, keyed by the trigger's group that matched), and
-    whether more than one call is read."""
+    whether more than one call is read. `openers`: the characters an opening can begin with,
+    besides whitespace before a `{` (tests check that no other character can)."""
 
     trigger: Pattern
     headers: dict[str, Pattern]
     single: bool
+    openers: str
+
+    @property
+    def space_opens(self) -> bool:
+        """Whether an opening may begin with whitespace (Hermes: `\\s*{"name"`)."""
+        return self.trigger.could_become(" ")
 
 
 HERMES_FORMS = Forms(
@@ -184,15 +211,17 @@ HERMES_FORMS = Forms(
         Group("fn_eq", Lit("<function=")),
         Group("fn_name", Lit('<function name="')))),
     headers={"json": Pattern(_header("arguments")),
-             "fn_eq": Pattern(Seq(Group("name", Rx(r"[^>]+", r"[^>]*")), ">", WS)),
-             "fn_name": Pattern(Seq(Group("name", Rx(r'[^"]+', r'[^"]*')), '">', WS))},
-    single=False)
+             "fn_eq": Pattern(Seq(Group("name", Rx(r"[^>]{1,%d}" % NAME_LIMIT,
+                                                   r"[^>]{0,%d}" % NAME_LIMIT)), ">", WS)),
+             "fn_name": Pattern(Seq(Group("name", Rx(r'[^"]{1,%d}' % NAME_LIMIT,
+                                                     r'[^"]{0,%d}' % NAME_LIMIT)), '">', WS))},
+    single=False, openers="`<{")
 
 LLAMA3_FORMS = Forms(
     trigger=Pattern(Group("json", Seq(
         "{", WS, Opt(Seq('"type"', WS, ":", WS, '"function"', WS, ",", WS)), '"name"'))),
     headers={"json": Pattern(_header("parameters"))},
-    single=True)
+    single=True, openers="{")
 
 
 def _closers(opening: re.Match[str]) -> Pattern:
@@ -214,7 +243,7 @@ def _closers_of(tag: str | None, fence: bool, function: bool) -> Pattern:
     return Pattern(Seq(*parts))
 
 
-class FormParser:
+class FormParser(StreamedCalls):
     """Splits generated text into content and tool calls, piece by piece, the forms above.
 
     The interface of tools.ToolCallParser: `feed` gives (content, one delta per call index),
@@ -226,39 +255,77 @@ class FormParser:
 
     def __init__(self, forms: Forms) -> None:
         self.forms = forms
-        self.calls: list[dict[str, Any]] = []
+        self._calls: list[dict[str, Any]] = []
+        self._arguments: list[str] = []  # the last call's pieces not yet joined into it
         self._text = ""          # text not yet resolved, from `_pos`
         self._pos = 0
         self._state = "text"     # -> "header" -> "arguments" -> "object" -> "closers" -> "text"
         self._opening: re.Match[str] | None = None
+        self._opener = 0         # where the opening's first non-space character is
         self._kind = ""
         self._closed = 0
         self._json = JsonScan()
         self._triggers = True    # false after a single-call family's call
+        self._openers = re.compile(f"[{re.escape(forms.openers)}]")
+        self._space_opens = forms.space_opens
+        # The text state's scan: no opening begins in [_pos, _scan) except perhaps at _scan;
+        # `_run` is where the whitespace run ending at _scan begins (None: no run there).
+        self._scan = 0
+        self._run: int | None = None
+        # The last pass ended holding text that ends in whitespace, waiting on a check that more
+        # whitespace leaves as it is (module docstring): whitespace pieces then only queue up in
+        # `_spaces`, and the next other piece runs the check once on all of it.
+        self._idle = False
+        self._spaces: list[str] = []
 
     @property
     def complete(self) -> bool:
-        return bool(self.calls) and self._closed == len(self.calls)
-
-    @property
-    def whole_calls(self) -> list[dict[str, Any]]:
-        return self.calls[:self._closed]
+        return bool(self._calls) and self._closed == len(self._calls)
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         if not text:
             return "", []
-        self._text += text
-        content, deltas = self._run(final=False)
+        if self._idle and text.isspace():
+            self._spaces.append(text)
+            return "", []
+        if self._plain(text):
+            return text, []
+        if self._state == "arguments" and self._pos == len(self._text) and not self._spaces \
+                and self._json.inert(text):  # more of the arguments, and nothing else
+            self._arguments.append(text)
+            return "", [tool_call_delta(len(self._calls) - 1, None, None, text)]
+        self._take_spaces(text)
+        content, deltas = self._run_states(final=False)
         return content, _one_per_index(deltas)
 
     def finish(self) -> str:
-        content, _ = self._run(final=True)
+        self._take_spaces("")
+        content, _ = self._run_states(final=True)
         return content
 
+    def _plain(self, text: str) -> bool:
+        """Whether `text` is content as it stands: nothing is held before it, and it holds no
+        opener's character and cannot end in the whitespace before a Hermes `{`. (A call's
+        cost per piece of ordinary text, without the states' loop.)"""
+        if self._state != "text" or self._pos != len(self._text) or self._spaces:
+            return False
+        if self._triggers and (self._openers.search(text)
+                               or (self._space_opens and text[-1].isspace())):
+            return False
+        self._run = None  # the text between is not in `_text`: no run goes across it
+        return True
+
+    def _take_spaces(self, text: str) -> None:
+        if self._spaces:
+            text = "".join(self._spaces) + text
+            self._spaces.clear()
+        self._text += text
+
     # The loop: each state consumes what it can decide now, and stops when it needs more text.
-    def _run(self, final: bool) -> tuple[str, list[dict[str, Any]]]:
+    def _run_states(self, final: bool) -> tuple[str, list[dict[str, Any]]]:
         content: list[str] = []
         deltas: list[dict[str, Any]] = []
+        self._idle = False
         while True:
             s, pos = self._text, self._pos
             if self._state == "text":
@@ -266,13 +333,14 @@ class FormParser:
                     content.append(s[pos:])
                     self._pos = len(s)
                     break
-                m = self.forms.trigger.regex.search(s, pos)
+                start, m = self._find_opening(s, final)
                 if m:
-                    content.append(s[pos:m.start()])
-                    self._opening, self._pos, self._state = m, m.end(), "header"
+                    content.append(s[pos:start])
+                    self._opening, self._opener = m, self._scan
+                    self._pos, self._state = m.end(), "header"
                     self._kind = next(k for k in self.forms.headers if m.group(k) is not None)
                     continue
-                hold = self._hold_from(s, pos)
+                hold = start
                 # At the end, held text is content, unless a call's tag or object had begun in
                 # it (a reply cut inside an opening leaves no markup in the content).
                 if final and not any(c in s[hold:] for c in "{>"):
@@ -280,7 +348,9 @@ class FormParser:
                 content.append(s[pos:hold])
                 self._pos = hold
                 if final:
-                    self._text, self._pos = "", 0
+                    self._text = ""
+                    self._to_text(0)
+                self._idle = hold < len(s) and s[-1:].isspace()
                 break
             if self._state == "header":
                 header = self.forms.headers[self._kind]
@@ -291,71 +361,108 @@ class FormParser:
                         name = json.loads(f'"{name[:-1]}"')
                     call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                             "function": {"name": name, "arguments": ""}}
-                    self.calls.append(call)
-                    deltas.append(tool_call_delta(len(self.calls) - 1, call["id"], name, ""))
+                    self.calls.append(call)  # (the previous call's pieces joined first)
+                    deltas.append(tool_call_delta(len(self._calls) - 1, call["id"], name, ""))
                     self._pos, self._state, self._json.depth = m.end(), "arguments", 0
                     continue
-                if not final and header.could_become(s[pos:]):
+                if not final and header.could_become(s, pos):
+                    self._idle = s[-1:].isspace()
                     break
                 if final:  # cut before the call began: no call, and its markup is no content
-                    self._text, self._pos, self._state = "", 0, "text"
+                    self._text = ""
+                    self._to_text(0)
                     break
-                # Not a call after all: the opening is text, and the search goes on after its
-                # first character.
-                start = self._opening.start()
-                content.append(s[start])
-                self._pos, self._state = start + 1, "text"
+                # Not a call after all: the opening is text (with the whitespace it took before
+                # its `{`), and the search goes on after its first character.
+                content.append(s[self._opening.start():self._opener + 1])
+                self._to_text(self._opener + 1)
                 continue
             if self._state == "arguments":
                 start = pos
-                while self._pos < len(s) and self._state == "arguments":
-                    self._step(s[self._pos])
-                    self._pos += 1
+                self._pos, closed = self._json.advance(s, pos)
+                if closed:
+                    self._state = "object"
                 if self._pos > start:
                     piece = s[start:self._pos]
-                    self.calls[-1]["function"]["arguments"] += piece
-                    deltas.append(tool_call_delta(len(self.calls) - 1, None, None, piece))
+                    self._arguments.append(piece)
+                    deltas.append(tool_call_delta(len(self._calls) - 1, None, None, piece))
                 if self._state == "arguments":
                     break
-                self._closed = len(self.calls)
+                self._closed = len(self._calls)
                 # The rest of the call's object (a JSON form), up to its own brace.
                 self._json.depth = 1 if self._kind == "json" else 0
                 self._state = "object" if self._json.depth else "closers"
                 continue
             if self._state == "object":
-                while self._pos < len(s) and self._json.depth:
-                    self._step(s[self._pos])
-                    self._pos += 1
-                if self._json.depth:
+                self._pos, closed = self._json.advance(s, pos)
+                if not closed:
                     break
                 self._state = "closers"
                 continue
             # closers: the call's tag, fence and whitespace, consumed while they may follow
             closers = _closers(self._opening)
-            if closers.could_become(s[pos:]):
+            if closers.could_become(s, pos):
                 if not final:
+                    self._idle = s[-1:].isspace()
                     break
                 self._pos = len(s)  # the end came inside them
             else:
                 self._pos = closers.regex.match(s, pos).end()
-            self._state = "text"
+            self._to_text(self._pos)
             self._triggers = not self.forms.single
-        if self._pos > 4096 and self._state in ("text", "closers"):
-            self._text, self._pos = self._text[self._pos:], 0
+        if self._pos > 4096 and self._state != "header":  # read text is never looked at again
+            cut = self._pos
+            self._text, self._pos = self._text[cut:], 0
+            self._scan -= cut
+            self._run = None if self._run is None else max(0, self._run - cut)
         return "".join(content), deltas
 
-    def _hold_from(self, s: str, pos: int) -> int:
-        """The first position from which the text may still become an opening."""
+    def _find_opening(self, s: str, final: bool) -> tuple[int, re.Match[str] | None]:
+        """(where it starts, the match) for the first opening from `_pos`; else (where the
+        text that may still become one begins, None). Only the openers' characters are tried,
+        each once unless it may still become an opening; whitespace before a `{` is looked
+        back on from the `{`. At the end, the openings after one that may still become one are
+        tried too (a whole one there is the call), each once."""
         trigger = self.forms.trigger
-        for i in range(pos, len(s)):
-            if s[i] in "`<{" or s[i].isspace():
-                if trigger.could_become(s[i:]):
-                    return i
-        return len(s)
+        held: int | None = None
+        while True:
+            found = self._openers.search(s, self._scan)
+            at = len(s) if found is None else found.start()
+            self._track_run(s, at)
+            lead = None if self._run is None or not self._space_opens \
+                else max(self._run, self._pos)
+            if found is None:  # trailing whitespace may still be a Hermes `{`'s
+                if held is not None:
+                    return held, None
+                return (len(s) if lead is None else lead), None
+            m = trigger.regex.match(s, at)
+            if m:
+                if lead is not None and lead < at:
+                    wide = trigger.regex.match(s, lead)
+                    if wide:
+                        return lead, wide
+                return at, m
+            if held is None and trigger.could_become(s, at):
+                held = lead if lead is not None and lead < at \
+                    and trigger.could_become(s, lead) else at
+                if not final:
+                    return held, None
+            self._scan, self._run = at + 1, None
 
-    def _step(self, ch: str) -> None:
-        if self._json.step(ch) and self._state == "arguments":
-            self._state = "object"
+    def _track_run(self, s: str, at: int) -> None:
+        """Move the scan to `at`, keeping `_run` the start of the whitespace run ending there."""
+        seg = s[self._scan:at]
+        if seg:
+            kept = len(seg.rstrip())
+            if kept == len(seg):
+                self._run = None
+            elif kept or self._run is None:
+                self._run = self._scan + kept
+        self._scan = at
+
+    def _to_text(self, pos: int) -> None:
+        self._pos, self._state = pos, "text"
+        self._scan, self._run = pos, None
 
 
 def _one_per_index(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ from ane_spec.decode.draft_memory import DEFAULT_MEMORY_TOKENS
 from ane_spec.decode.drafter import NgramDrafter
 from ane_spec.errors import AneSpecError
 from ane_spec.runtime.backend import default_backend_name
-from ane_spec.runtime.decode_shape import DecodeShape
+from ane_spec.runtime.decode_shape import DecodeShape, PrefillMode
 
 LOOPBACK_NAMES = ("localhost",)
 # Host header values a loopback server always answers to (besides loopback IP literals).
@@ -69,6 +69,8 @@ class ServeConfig(BaseModel):
     precision: Literal["fp32", "fp16"] = "fp32"
     # fixed: every pass at T=4 (exact, one JIT specialisation per shard); mixed: T=1 + T=4.
     decode_shape: DecodeShape = "fixed"
+    # Prompt chunks through the build's prefill function: auto (measured at warm-up), on, off.
+    prefill: PrefillMode = "auto"
     max_queue: int = Field(8, ge=0, le=10_000)  # waiting requests beyond the running one
     speculative: bool = True
     ngram_min: int = Field(_DRAFTER_DEFAULTS["ngram_min"].default, ge=1, le=MAX_NGRAM)
@@ -111,6 +113,14 @@ class ServeConfig(BaseModel):
     # Cross-request drafting (daemon/draft_scopes.py). None: per-key with an API key, else shared.
     draft_memory: DraftMemoryMode | None = None
     draft_memory_tokens: int = Field(DEFAULT_MEMORY_TOKENS, ge=1024, le=1 << 22)
+    # A draft model beside the target (decode/draft_setup.py): its build folder (the CLI builds
+    # one from a GGUF, a catalog name or ollama:NAME), its Core ML compute units, which source
+    # drafts (both: chosen per step), and whether it looks past each block while the target
+    # verifies it (None: wherever it has its own process).
+    draft_manifest: Path | None = None
+    draft_units: Literal["ane", "gpu", "cpu"] | None = None
+    draft_mode: Literal["both", "model", "ngram"] = "both"
+    draft_overlap: bool | None = None
 
     @field_validator("api_key")
     @classmethod
@@ -157,6 +167,14 @@ class ServeConfig(BaseModel):
         if self.slot_save_path is not None and self.slot_save_path.exists() \
                 and not self.slot_save_path.is_dir():
             raise ValueError(f"slot_save_path: {self.slot_save_path} is not a directory")
+        if self.draft_units is not None:  # else the server's warm-up would refuse them
+            from ane_spec.decode.draft_setup import check_units
+            from ane_spec.errors import AneSpecError
+
+            try:
+                check_units(self.backend, self.draft_units)
+            except AneSpecError as exc:
+                raise ValueError(str(exc)) from None
         if not is_loopback(self.host) and self.api_key is None:
             raise ValueError(
                 f"refusing to serve on {self.host!r} without an API key: anything that can reach "

@@ -24,13 +24,13 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ane_spec.decode.cost import draft_policy
 from ane_spec.decode.drafter import NgramDrafter
 from ane_spec.decode.grammar_compiler import GrammarCompiler
+from ane_spec.decode.prefill_plan import prefill_costs
 from ane_spec.decode.session import DecodeSession, GenerateOptions
 from ane_spec.errors import AneSpecError
 from ane_spec.manifests.store import record_drift
@@ -43,6 +43,9 @@ from ane_spec.worker_process import WorkerDied
 from ane_spec.daemon.config import ServeConfig
 from ane_spec.daemon.draft_scopes import DraftMemories
 from ane_spec.daemon.metrics import Metrics
+from ane_spec.daemon.warmup import (
+    Warmup, WarmStep, jit_steps, prefill_in_use, scratch_state,
+)
 from ane_spec.runtime.state_budget import slot_budget
 from ane_spec.daemon.slot_files import SlotQuota, SlotQuotaError
 from ane_spec.daemon.slots import SlotManager, SlotNotFound
@@ -121,24 +124,6 @@ class Job:
                 "cancelled": self.cancelled.is_set()}
 
 
-@dataclass
-class Warmup:
-    done: int = 0
-    total: int = 1
-    step: str = "starting"
-    started: float = field(default_factory=time.perf_counter)
-    finished: float | None = None
-
-    @property
-    def seconds(self) -> float:
-        return (self.finished or time.perf_counter()) - self.started
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "done": self.done, "total": self.total,
-                "fraction": round(self.done / self.total, 4),
-                "elapsed_seconds": round(self.seconds, 3)}
-
-
 class Engine:
     def __init__(self, config: ServeConfig, pipeline: ShardPipeline,
                  metrics: Metrics | None = None):
@@ -152,6 +137,7 @@ class Engine:
         self.error: str | None = None
         self.warmup = Warmup()
         self.session: DecodeSession | None = None
+        self.drafter: Any = None  # BothDrafters, with --draft-model (made at warm-up)
         self.fill_drafts: bool | None = None
         self.budget = slot_budget(pipeline.manifest)
         self.kv_slots = config.kv_slots or self.budget.default_slots
@@ -160,6 +146,8 @@ class Engine:
         self.slots: SlotManager | None = None
         self.recoveries = 0
         self.last_recovery: dict[str, Any] | None = None
+        # Why the prefill function was switched off at warm-up (it killed the worker), if it was.
+        self.prefill_disabled: str | None = None
         self.memories = DraftMemories(config.draft_memory_mode, config.draft_memory_tokens,
                                       config.ngram_max)
         self.grammars = GrammarCompiler(self.tokenizer)
@@ -192,6 +180,10 @@ class Engine:
         if self._thread.is_alive():
             self._thread.join(timeout)
         self.grammars.close()
+        if self.drafter is not None:
+            from ane_spec.decode.draft_setup import close_drafter
+
+            close_drafter(self.drafter)
 
     # --- requests (event loop side) -------------------------------------------------------
 
@@ -260,6 +252,8 @@ class Engine:
         if self.status == "error":
             return base | {"error": self.error}
         return base | {"warmup_seconds": round(self.warmup.seconds, 3),
+                       "warmup_jit_seconds": self.warmup.jit_seconds(),
+                       "prefill": self.prefill_health(),
                        "busy": self.busy, "running": self.running(),
                        "queue_depth": self.queue_depth,
                        "queue_capacity": self.config.max_queue,
@@ -267,7 +261,19 @@ class Engine:
                        "speculative": self.config.speculative, "guard": self.config.guard,
                        "guard_margin": self.session.guard_margin if self.session else None,
                        "fill_drafts": self.fill_drafts, "kv_slots": self.slot_health(),
-                       "draft_memory": self.memories.stats()}
+                       "draft_memory": self.memories.stats(),
+                       "draft_model": self.draft_health()}
+
+    def prefill_health(self) -> dict[str, Any] | None:
+        """The build's prefill function: its T, the mode prompts use it in, and the pass costs
+        measured at warm-up (c(P)/c(4) as `ratio`, prefill tok/s); None without one."""
+        p = self.pipeline
+        if not p.prefill_t:
+            return None
+        costs = p.measurements.get("prefill_costs")
+        return {"prefill_t": p.prefill_t, "mode": p.prefill_mode,
+                "disabled": self.prefill_disabled,
+                "costs": None if costs is None else costs.to_dict()}
 
     def worker_health(self) -> dict[str, Any] | None:
         """The backend's worker process (Core ML): running, restarts, the last death and what
@@ -334,8 +340,8 @@ class Engine:
         if self._stopping.is_set():
             return
         self.status = "ready"
-        log.info("ready: %s on %s, warm-up took %.1fs", self.model_id,
-                 self.pipeline.backend.describe(), self.warmup.seconds)
+        log.info("ready: %s on %s, warm-up took %.1fs; first passes (JIT): %s", self.model_id,
+                 self.pipeline.backend.describe(), self.warmup.seconds, self.warmup.jit_line())
         while True:
             with self._cond:
                 while not self._waiting and not self._stopping.is_set():
@@ -348,9 +354,28 @@ class Engine:
                 self._run(job)
             except WorkerDied as exc:  # the request was told; the engine recovers
                 self._recover(exc)
+            except Exception as exc:  # noqa: BLE001 - any job's failure is that job's error
+                self._job_failed(job, exc)
             finally:
                 with self._cond:
                     self._running = None
+
+    def _job_failed(self, job: Job, exc: Exception) -> None:
+        """A job raised what nothing in it expected (a forged slot file's ring once raised
+        OverflowError here and the worker thread died: /health still said ready while every
+        request queued until 429). The job gets a 500; the worker goes on, trusting no
+        resident conversation the job may have been writing."""
+        log.error("a %s job failed: %s: %s", job.describe()["task"], type(exc).__name__, exc,
+                  exc_info=exc)
+        try:
+            if self.session is not None:
+                self.session.reset()
+            if self.slots is not None:
+                self.slots.forget_resident()
+        except Exception:  # noqa: BLE001 - the job's answer below matters more
+            log.exception("forgetting the resident conversations failed")
+        job.post("error", (500, f"internal error ({type(exc).__name__}); the request failed "
+                                "and the server goes on; retry it"))
 
     def _run(self, job: Job) -> None:
         job.started = time.perf_counter()
@@ -363,7 +388,11 @@ class Engine:
         assert session is not None and slots is not None
         drafter = session.drafter
         if (drafter.ngram_min, drafter.ngram_max) != (item.ngram_min, item.ngram_max):
-            session.drafter = NgramDrafter(ngram_min=item.ngram_min, ngram_max=item.ngram_max)
+            ngram = NgramDrafter(ngram_min=item.ngram_min, ngram_max=item.ngram_max)
+            if hasattr(drafter, "ngram"):  # beside a draft model: swap the n-gram half only
+                drafter.ngram = ngram
+            else:
+                session.drafter = ngram
         memory = self.memories.get(item.scope)
         sampling = item.options.sampling
         output_safe = self.pipeline.shape.drafts_cannot_change_output(
@@ -436,14 +465,14 @@ class Engine:
         self.warmup = Warmup(total=1, step=f"restarting after {exc.how}")
         try:
             self.pipeline.start()
-            state = self.pipeline.new_state()
-            steps = self._jit_steps(state)
+            state = scratch_state(self.pipeline)
+            steps = jit_steps(self.pipeline, state)
             self.warmup = Warmup(total=len(steps), step="restarting the worker")
             self._run_steps(steps)
             dropped = self.slots.drop_resident(self.pipeline) if self.slots else 0
             if self.session is not None:
                 self.session.reset()
-                self.session.state = self.slots.resident[0].state if self.slots else state
+                self.session.state = self.slots.resident[0].state if self.slots else state()
         except Exception as again:  # noqa: BLE001 - reported through /health, never raised
             log.exception("restarting the worker failed")
             self.last_recovery = {"cause": str(exc), "ok": False,
@@ -460,63 +489,67 @@ class Engine:
                     exc, dropped, "" if dropped == 1 else "s")
         self.status = "ready"
 
-    def _jit_steps(self, state) -> list[tuple[str, Callable[[], Any]]]:  # noqa: ANN001
-        """One pass per shard and the head at every width the decode shape runs (Core ML
-        specialises a program per process and input shape on its first prediction)."""
-        p = self.pipeline
-        steps: list[tuple[str, Callable[[], Any]]] = []
-        n = len(p.shards)
-        for t in p.shape.jit_widths:
-            for k in range(n):
-                steps.append((f"T={t} shard {k + 1}/{n}",
-                              lambda t=t, k=k: self._warm_shard(t, k, state)))
-            steps.append((f"T={t} head", lambda t=t: self._warm_head(t)))
-        return steps
-
-    def _run_steps(self, steps: list[tuple[str, Callable[[], Any]]]) -> None:
-        for name, step in steps:
+    def _run_steps(self, steps: list[WarmStep]) -> None:
+        for step in steps:
             if self._stopping.is_set():
                 return
-            self.warmup.step = name
+            self.warmup.step = step.name
             t0 = time.perf_counter()
-            step()
+            try:
+                step.run()
+            except WorkerDied as exc:
+                if not step.prefill:
+                    raise
+                self._disable_prefill(exc)
+            else:
+                if step.jit is not None:
+                    self.warmup.jit[step.jit] = (self.warmup.jit.get(step.jit, 0.0)
+                                                 + time.perf_counter() - t0)
+            took = time.perf_counter() - t0
             self.warmup.done += 1
-            log.info("warm-up %d/%d: %s (%.2fs)", self.warmup.done, self.warmup.total, name,
-                     time.perf_counter() - t0)
+            log.info("warm-up %d/%d: %s (%.2fs)", self.warmup.done, self.warmup.total, step.name,
+                     took)
+
+    def _disable_prefill(self, exc: WorkerDied) -> None:
+        """The prefill function killed the Core ML worker at its first prediction: serve with
+        it off (prompts at the decode shape) rather than not at all. The worker restarts on the
+        next call; the decode programs' passes come after the prefill function's."""
+        self.pipeline.prefill_mode = "off"
+        self.prefill_disabled = (f"{exc}: a silent ANE compile failure shows this way "
+                                 "(coremltools #2758); prompts run at the decode shape")
+        log.warning("the prefill function killed the Core ML worker at warm-up (%s); serving "
+                    "with --prefill off", exc)
 
     def _warm_up(self) -> None:
         p = self.pipeline
-        steps: list[tuple[str, Callable[[], Any]]] = []
+        steps: list[WarmStep] = []
         if hasattr(p.backend, "start"):  # Core ML: load every program in the worker process
-            steps.append((f"loading {len(p.shards) + 1} programs ({p.backend.describe()})",
-                          p.start))
-        state_box: list[Any] = []
-
-        def state() -> Any:
-            if not state_box:
-                state_box.append(p.new_state())
-            return state_box[0]
-
-        n = len(p.shards)
-        for t in p.shape.jit_widths:
-            for k in range(n):
-                steps.append((f"T={t} shard {k + 1}/{n}",
-                              lambda t=t, k=k: self._warm_shard(t, k, state())))
-            steps.append((f"T={t} head", lambda t=t: self._warm_head(t)))
+            programs = len(p.shards) + len(p.prefill_shards) + len(p.heads)
+            steps.append(WarmStep(f"loading {programs} programs ({p.backend.describe()})",
+                                  p.start))
+        steps += jit_steps(p, scratch_state(p))
+        if prefill_in_use(p):  # auto plans prompts by these costs; with on, /health shows them
+            steps.append(WarmStep(f"prefill cost (c(P={p.prefill_t}) vs c({p.max_t}) pass time)",
+                                  self._measure_prefill))
         if p.shape.needs_pass_costs:
-            steps.append(("draft cost policy (T=1 vs T=4 pass time)", self._measure_policy))
+            steps.append(WarmStep("draft cost policy (T=1 vs T=4 pass time)",
+                                  self._measure_policy))
         else:
             self.fill_drafts = p.shape.fill_drafts(lambda: 1.0)
         if p.shape.needs_drift and p.manifest.drift.get(p.drift_key) is None:
-            steps.append((f"drift for the exactness guard ({p.drift_key})", self._measure_drift))
+            steps.append(WarmStep(f"drift for the exactness guard ({p.drift_key})",
+                                  self._measure_drift))
+        if self.config.draft_manifest is not None:
+            steps.append(WarmStep("draft model: start it, measure c_draft and c_verify",
+                                  self._start_draft))
         self.warmup = Warmup(total=len(steps))
         log.info("warming %s: %d steps", self.model_id, len(steps))
         self._run_steps(steps)
         if self._stopping.is_set():
             return
         self.session = DecodeSession(
-            p, drafter=NgramDrafter(ngram_min=self.config.ngram_min,
-                                        ngram_max=self.config.ngram_max),
+            p, drafter=self.drafter or NgramDrafter(ngram_min=self.config.ngram_min,
+                                                    ngram_max=self.config.ngram_max),
             fill_drafts=self.fill_drafts)
         self.slots = SlotManager(p, self.kv_slots, self.spill_bytes, self.metrics.slot_event,
                                  states=[self.session.state])
@@ -557,14 +590,21 @@ class Engine:
             return
         job.post("done", result)
 
-    def _warm_shard(self, t: int, k: int, state) -> None:  # noqa: ANN001
+    def _measure_prefill(self) -> None:
+        """c(4), c(P) and c(P) with the head, once, so the first request's prompt is planned
+        without paying for the measurement (decode/prefill_plan.py)."""
         p = self.pipeline
-        hidden = p.to_hidden(p.embeddings.lookup([0] * t))
-        p.run_shards(hidden, p.host.block(0, t), state, range(k, k + 1))
-
-    def _warm_head(self, t: int) -> None:
-        p = self.pipeline
-        p.head.predict({"x": p.to_hidden(p.embeddings.lookup([0] * t))})
+        if not prefill_in_use(p):  # switched off by an earlier step's failure
+            return
+        costs = prefill_costs(p)
+        full = costs.pays(p.prefill_t, last=False)
+        log.info("prefill T=%d: c(P)/c(%d) %.2f (decode pass %.1f ms, prefill pass %.1f ms, "
+                 "with the head on one row %.1f ms), %.0f prompt tok/s through the prefill "
+                 "function: a full chunk %s", p.prefill_t, costs.decode_t, costs.ratio,
+                 1000 * costs.decode_seconds, 1000 * costs.prefill_seconds,
+                 1000 * costs.prefill_head_seconds, costs.to_dict()["prefill_tok_s"],
+                 "pays (--prefill auto uses it)" if full else
+                 "does not pay here (--prefill auto keeps prompts at the decode shape)")
 
     def _measure_policy(self) -> None:
         policy = draft_policy(self.pipeline)
@@ -572,6 +612,37 @@ class Engine:
         log.info("pass cost T=1 %.1f ms, T=4 %.1f ms (ratio %.2f): %s", 1000 * policy.t1_seconds,
                  1000 * policy.t4_seconds, policy.ratio,
                  "fill every draft slot" if self.fill_drafts else "draft only confident tokens")
+
+    def _start_draft(self) -> None:
+        """The draft model beside the target (decode/draft_setup.py), one KV state per slot."""
+        from ane_spec.decode.draft_setup import open_drafter
+
+        c = self.config
+        self.drafter = open_drafter(
+            self.pipeline, c.draft_manifest, units=c.draft_units, mode=c.draft_mode,
+            overlap=c.draft_overlap, states=self.kv_slots, ngram_min=c.ngram_min,
+            ngram_max=c.ngram_max, verify=c.verify)
+        costs = self.drafter.costs
+        log.info("draft model %s: %s", c.draft_manifest,
+                 costs.to_dict() if costs is not None else "costs not measured")
+
+    def draft_health(self) -> dict[str, Any] | None:
+        """The draft model's figures for /health: costs, policy, its process."""
+        d = self.drafter
+        if d is None:
+            return None
+        model = d.model
+        out: dict[str, Any] = {
+            "manifest": str(self.config.draft_manifest), "mode": d.mode, "overlap": d.overlap,
+            "costs": None if d.costs is None else d.costs.to_dict(),
+            "p_min": round(d.current_p_min(), 4), "figures": d.figures.to_dict(),
+            "kv_states": getattr(getattr(model, "spec", None), "states", None),
+            "carries": "resident conversations; a spilled or saved one recomputes the draft's "
+                       "prompt when it returns"}
+        health = getattr(model, "health", None)
+        if health is not None:
+            out["worker"] = health()
+        return out
 
     def _measure_drift(self) -> None:
         p = self.pipeline
@@ -593,9 +664,15 @@ def load_pipeline(config: ServeConfig) -> ShardPipeline:
     # Core ML's programs load in its worker process during the warm-up, with /health answering.
     return open_pipeline(config.manifest, config.backend, config.precision,
                          verify=config.verify, decode_shape=config.decode_shape,
-                         defer_start=True)[1]
+                         defer_start=True, prefill=config.prefill)[1]
 
 
 def load_engine(config: ServeConfig, metrics: Metrics | None = None) -> Engine:
-    """The build's engine (see `load_pipeline`). Warm-up starts with `Engine.start`."""
-    return Engine(config, load_pipeline(config), metrics)
+    """The build's engine (see `load_pipeline`). Warm-up starts with `Engine.start`. A draft
+    model whose vocabulary differs from the target's is refused here, before anything runs."""
+    pipeline = load_pipeline(config)
+    if config.draft_manifest is not None:
+        from ane_spec.decode.draft_setup import check_pair
+
+        check_pair(pipeline, config.draft_manifest)
+    return Engine(config, pipeline, metrics)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ane_spec.model.tokenizer import FIM_KIND_TEXTS, Tokenizer
+from ane_spec.model.end_of_generation import FIM_KIND_TEXTS
+from ane_spec.model.tokenizer import Tokenizer
 
 
 def fim_token(tok: Tokenizer, kind: str) -> int | None:

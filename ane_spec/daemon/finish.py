@@ -86,6 +86,20 @@ def finish(engine: Engine, job: Job, plan: Plan, final: tuple[str, Any],
     return ending
 
 
+async def _parse(parser: ToolCallParser, text: str, *, last: bool
+                 ) -> tuple[str, list[dict[str, Any]]]:
+    """The parser's content and call deltas for the next piece of text (and what it held back,
+    when `last`), computed in a worker thread: the parsers are linear in their input, but a
+    long reply (a tool call's arguments, a run of whitespace) still costs milliseconds, and the
+    event loop serves every other client and /health meanwhile. One request's pieces are
+    parsed in order, each awaited before the next."""
+    def run() -> tuple[str, list[dict[str, Any]]]:
+        content, deltas = parser.feed(text)
+        return (content + parser.finish() if last else content), deltas
+
+    return await asyncio.to_thread(run)
+
+
 async def collect(engine: Engine, request: Request, job: Job, plan: Plan,
                   envelope: Envelope) -> Response:
     watcher = asyncio.create_task(_watch_disconnect(request, engine, job))
@@ -99,8 +113,7 @@ async def collect(engine: Engine, request: Request, job: Job, plan: Plan,
     parser = plan.tool_format.parser() if plan.tools else None
     content = None
     if parser is not None and final[0] == "done" and final[1] is not None:
-        content, _ = parser.feed(final[1].text)
-        content += parser.finish()
+        content, _ = await _parse(parser, final[1].text, last=True)
     ending = finish(engine, job, plan, final, parser)
     if ending.error is not None:
         status, message, code = ending.error
@@ -132,9 +145,7 @@ async def stream(engine: Engine, job: Job, plan: Plan, envelope: Envelope,
             piece = "".join(text)
             deltas: list[dict[str, Any]] = []
             if parser is not None:
-                piece, deltas = parser.feed(piece)
-                if final is not None:
-                    piece += parser.finish()
+                piece, deltas = await _parse(parser, piece, last=final is not None)
             if piece or deltas:
                 yield sse(envelope.chunk(piece or None, tool_calls=deltas or None))
         ending = finish(engine, job, plan, final, parser)

@@ -8,7 +8,10 @@ what a fresh state holds there: a restored slot is "a fresh state plus the same 
 Values are kept in the dtype the backend stores them in, so a capture and an install round-trip
 bit for bit: fp16 on Core ML (states are fp16 only) and in the interpreter's fp16 mode, float32
 in its fp32 mode. `LoadedProgram.read_state` returns float32 copies; converting back to the
-stored dtype is exact because every value came from it.
+stored dtype is exact because every value came from it. Through the Core ML worker the slicing,
+the cast and the zero padding happen in the worker, and rows cross through shared memory
+(runtime/state_rows.py): a 300-token capture at Phi-4-mini's shape moves 300 rows of fp16, not
+the whole float32 state.
 
 A build with KV rings (model/swa_ring.py) keeps its local layers' states whole (R slots, any
 conversation length), and a capture carries the ring's per-slot positions beside the arrays
@@ -25,6 +28,7 @@ import numpy as np
 
 from ane_spec.model.swa_ring import RingSlots
 from ane_spec.runtime.pipeline import PipelineState, ShardPipeline
+from ane_spec.runtime.state_rows import read_rows, write_rows
 
 # The layer graph's K/V states are [1, kv_heads, max_seq, head_dim] (shards/programs.py).
 SEQ_AXIS = 2
@@ -68,14 +72,12 @@ class StateLayout:
         return sum(math.prod(self.shape(e, n)) for e in self.entries) * self.dtype.itemsize
 
     def capture(self, state: PipelineState, n: int) -> list[np.ndarray]:
-        """Copies of the first n token rows of every state tensor."""
-        out = []
-        for e in self.entries:
-            program = self.pipeline.shards[e.shard]
-            full = program.read_state(state.shard_states[e.shard], e.name)
-            rows = full if e.seq_axis is None else full[:, :, :n]
-            out.append(np.ascontiguousarray(rows, dtype=self.dtype))
-        return out
+        """Copies of the first n token rows of every state tensor, in the stored dtype. A
+        backend that can (the Core ML worker) slices and casts where the state lives, so only
+        those rows cross (runtime/state_rows.py)."""
+        return [read_rows(self.pipeline.shards[e.shard], state.shard_states[e.shard], e.name,
+                          n, e.seq_axis, self.dtype)
+                for e in self.entries]
 
     def ring_positions(self, state: PipelineState, n: int) -> list[int] | None:
         """The positions a capture of n tokens holds in each ring slot (-1: none), or None
@@ -100,22 +102,18 @@ class StateLayout:
         return ring
 
     def clear(self, state: PipelineState) -> None:
-        """Zero every state tensor: what a fresh state holds."""
+        """Zero every state tensor: what a fresh state holds (the zeros are made where the state
+        lives: no full-size array crosses to the Core ML worker)."""
         state.ring = self.pipeline.host.new_ring()
         for e in self.entries:
-            self.pipeline.shards[e.shard].write_state(state.shard_states[e.shard], e.name,
-                                                      np.zeros(e.shape, dtype=self.dtype))
+            write_rows(self.pipeline.shards[e.shard], state.shard_states[e.shard], e.name,
+                       None, 0, e.seq_axis, e.shape, self.dtype)
 
     def install(self, state: PipelineState, arrays: list[np.ndarray], n: int,
                 ring: list[int] | None = None) -> None:
         """Write captured rows into `state` (zeros past them), and a ring build's positions
-        (`ring_positions` of the capture)."""
+        (`ring_positions` of the capture). Only the rows cross to the Core ML worker."""
         state.ring = self.make_ring(ring, n)
         for e, rows in zip(self.entries, arrays, strict=True):
-            program = self.pipeline.shards[e.shard]
-            if e.seq_axis is None:
-                full = rows
-            else:
-                full = np.zeros(e.shape, dtype=self.dtype)
-                full[:, :, :n] = rows
-            program.write_state(state.shard_states[e.shard], e.name, full)
+            write_rows(self.pipeline.shards[e.shard], state.shard_states[e.shard], e.name,
+                       rows, n, e.seq_axis, e.shape, self.dtype)

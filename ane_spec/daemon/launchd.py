@@ -48,6 +48,7 @@ def serve_arguments(config: ServeConfig, python: str | None = None) -> list[str]
     fields = ServeConfig.model_fields
     flags = {"host": "--host", "port": "--port", "backend": "--backend",
              "precision": "--precision", "decode_shape": "--decode-shape",
+             "prefill": "--prefill",
              "max_queue": "--max-queue", "ngram_min": "--ngram-min",
              "ngram_max": "--ngram-max", "max_body_bytes": "--max-body-bytes",
              "model_name": "--model-name", "log_level": "--log-level",
@@ -57,10 +58,13 @@ def serve_arguments(config: ServeConfig, python: str | None = None) -> list[str]
              "slot_save_max_files": "--slot-save-max-files",
              "slot_save_max_mb": "--slot-save-max-mb",
              "request_timeout": "--request-timeout", "grammar_token_ms": "--grammar-token-ms",
-             "grammar_queue": "--grammar-queue", "grammar_wait": "--grammar-wait"}
+             "grammar_queue": "--grammar-queue", "grammar_wait": "--grammar-wait",
+             "draft_manifest": "--draft-model", "draft_units": "--draft-units",
+             "draft_mode": "--draft-mode"}
     for field, flag in flags.items():
         value = getattr(config, field)
-        if field == "slot_save_path" and value is not None:  # launchd runs from $HOME
+        if field in ("slot_save_path", "draft_manifest") and value is not None:
+            # launchd runs from $HOME
             value = Path(value).expanduser().resolve()
         if field == "backend" or value != fields[field].get_default(call_default_factory=True):
             args += [flag, str(value)]
@@ -70,6 +74,8 @@ def serve_arguments(config: ServeConfig, python: str | None = None) -> list[str]
             args.append(flag)
     if config.special_in_content:
         args.append("--special-in-content")
+    if config.draft_overlap is not None:
+        args.append("--draft-overlap" if config.draft_overlap else "--no-draft-overlap")
     for field, flag in (("allowed_origins", "--allowed-origins"),
                         ("allowed_hosts", "--allowed-hosts")):
         if getattr(config, field):
@@ -88,6 +94,9 @@ def launch_agent(config: ServeConfig, *, home: Path | None = None,
         "ProgramArguments": serve_arguments(config, python),
         "RunAtLoad": True,
         "KeepAlive": True,
+        # Without a ProcessType launchd applies "light resource limits ... throttling its CPU
+        # usage and I/O bandwidth" (launchd.plist(5)); the daemon answers an editor's keystrokes.
+        "ProcessType": "Interactive",
         "WorkingDirectory": str(home or Path.home()),
         "StandardOutPath": str(logs / "daemon.out.log"),
         "StandardErrorPath": str(logs / "daemon.err.log"),

@@ -73,6 +73,8 @@ class Metrics:
         self.ttft_count = 0
         self.last_decode_tok_s = 0.0
         self.slot_events: Counter[str] = Counter()  # the keys of SLOT_COUNTERS
+        # (draft source, "passes" | "drafted" | "accepted") -> n; draft-model passes
+        self.sources: Counter[tuple[str, str]] = Counter()
 
     def request(self, endpoint: str, outcome: str) -> None:
         with self._lock:
@@ -85,6 +87,8 @@ class Metrics:
             t = self.tokens
             t["prompt"] += stats.prompt_tokens
             t["prefill"] += stats.prefill_tokens
+            t["prefill_passes"] += stats.prefill_passes
+            t["prefill_function_passes"] += stats.prefill_function_passes
             t["reused"] += stats.reused_prefix_tokens
             t["generated"] += stats.generated_tokens
             t["passes"] += stats.passes
@@ -92,6 +96,10 @@ class Metrics:
             t["drafted"] += stats.drafted
             t["accepted"] += stats.accepted
             t["guard"] += stats.guard_interventions
+            t["draft_model_passes"] += stats.draft_model_passes
+            for source, row in stats.sources.items():
+                for what, n in zip(("passes", "drafted", "accepted"), row):
+                    self.sources[(source, what)] += n
             s = self.seconds
             s["prefill"] += stats.prefill_seconds
             s["decode"] += stats.decode_seconds
@@ -161,6 +169,11 @@ class Metrics:
                g("prompt"))
         metric("ane_spec_prefill_tokens_total", "counter",
                "Prompt tokens actually run through the shards.", g("prefill"))
+        metric("ane_spec_prefill_passes_total", "counter",
+               "Prompt passes, by program: the build's prefill function (P rows, layers only) "
+               "or the decode program (T=4 rows and the head).",
+               [({"function": "prefill"}, g("prefill_function_passes")),
+                ({"function": "decode"}, g("prefill_passes") - g("prefill_function_passes"))])
         metric("ane_spec_reused_prefix_tokens_total", "counter",
                "Prompt tokens whose KV cache was reused from the previous request.", g("reused"))
         metric("ane_spec_generated_tokens_total", "counter", "Tokens generated.", g("generated"))
@@ -186,6 +199,16 @@ class Metrics:
                ratio(g("accepted"), g("drafted")))
         metric("ane_spec_guard_interventions_total", "counter",
                "Rows recomputed at T=1 by the exactness guard.", g("guard"))
+        for what, help_ in (("passes", "Decode passes by who drafted them (model, ngram, "
+                                       "grammar, none)."),
+                            ("drafted", "Draft tokens proposed, by source."),
+                            ("accepted", "Draft tokens accepted, by source.")):
+            with self._lock:
+                rows = [({"source": src}, n) for (src, w), n in sorted(self.sources.items())
+                        if w == what]
+            metric(f"ane_spec_draft_source_{what}_total", "counter", help_, rows)
+        metric("ane_spec_draft_model_passes_total", "counter",
+               "Draft-model passes on the decode's critical path.", g("draft_model_passes"))
         for event, (counter, help_) in SLOT_COUNTERS.items():
             metric(counter, "counter", help_, slot_events.get(event, 0))
         slots = live.get("slots")

@@ -13,11 +13,17 @@ as on /v1: accepted at their neutral value, refused by name otherwise; and llama
 and nothing else: `"5"` or `true` is a 400 naming the option), `format` ("json" or a JSON
 schema), `tools` (calls come back with `arguments` as an object, as Ollama sends them), `raw` on
 /api/generate (the prompt as it is, no chat template), `suffix` on /api/generate (a
-fill-in-the-middle prompt, for vocabularies with FIM tokens: see fim.py). Accepted and ignored:
-the model name (this server serves one model), `keep_alive` (the model stays loaded), and the
-options that tune Ollama's runner (num_ctx, num_gpu, num_thread, ...) or that it no longer
-knows. The model listings (/api/tags, /api/show, /api/ps) give the build's real family,
-parameter count, file type and context window, read from its manifest.
+fill-in-the-middle prompt, for vocabularies with FIM tokens: see fim.py). `num_predict` means
+what it means to Ollama: a positive limit, -1 no limit and -2 fill the context (both: up to the
+context here); 0, other negative numbers and counts past an int64 are a 400. `keep_alive` is
+read as Ollama's `api.Duration` reads it (a number of seconds, negative for ever, or a Go
+duration string such as "5m" or "-1s"; anything else is the 400 Ollama answers, with Go's
+message); with no messages (no prompt on /api/generate) a zero one answers `done_reason:
+"unload"`, and the model otherwise stays loaded whatever it says. Accepted and ignored: the
+model name (this server serves one model), and the options that tune Ollama's runner (num_ctx,
+num_gpu, num_thread, ...) or that it no longer knows. The model listings (/api/tags, /api/show,
+/api/ps) give the build's real family, parameter count, file type and context window, read
+from its manifest.
 
 Departures: `temperature` defaults to 0 (greedy, the exact speculative path) where Ollama's
 models default to 0.8; images, `context`, `think` and `logprobs` are refused with a 400 naming
@@ -42,6 +48,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from ane_spec import __version__
 from ane_spec.daemon.engine import Engine
 from ane_spec.daemon.fim import fim_tokens
+from ane_spec.daemon.go_duration import parse_duration
 from ane_spec.daemon.protocol import ChatCompletionRequest, CompletionRequest
 from ane_spec.daemon.relay import (
     Body, Failure, Generate, answer, chunks, json_body, ndjson, validated,
@@ -106,6 +113,35 @@ def typed_options(raw: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
+def keep_alive_ns(value: Any) -> int | None:
+    """`keep_alive` as Ollama's api.Duration.UnmarshalJSON reads it, in nanoseconds (None: not
+    given; negative: for ever): a JSON number is seconds (negative: for ever), a string a Go
+    duration (negative: for ever), and anything else a 400, as Ollama answers."""
+    if value is None:  # JSON null leaves Go's *Duration nil
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        kind = {bool: "bool", list: "[]interface {}", dict: "map[string]interface {}"}.get(
+            type(value), type(value).__name__)
+        raise Failure(400, f"keep_alive: Unsupported type: '{kind}'", "keep_alive")
+    if isinstance(value, str):
+        try:
+            return parse_duration(value)
+        except ValueError as exc:
+            raise Failure(400, f"keep_alive: {exc}", "keep_alive") from None
+    if value < 0:
+        return -1
+    try:
+        return int(float(value) * 1e9)  # Go: time.Duration(t * float64(time.Second))
+    except (OverflowError, ValueError):  # past what a float64 holds: Go's decoder refuses it
+        raise Failure(400, "keep_alive: a number past what a float64 holds", "keep_alive") \
+            from None
+
+
+def _unloads(body: "_Common") -> bool:
+    """Ollama expires the model for a request with nothing to generate and a zero keep_alive."""
+    return keep_alive_ns(body.keep_alive) == 0
+
+
 def ollama_message(exc: Failure) -> str:
     """A /v1 refusal's message, naming the parameter as the Ollama request names it."""
     head = (exc.param or exc.message.split(":", 1)[0]).split(".")[0]
@@ -162,7 +198,7 @@ class _Common(BaseModel):
     stream: bool = True
     format: str | dict[str, Any] | None = None
     options: dict[str, Any] | None = None
-    keep_alive: str | int | float | None = None
+    keep_alive: Any = None  # checked by keep_alive_ns, as Ollama's api.Duration reads it
     think: bool | str | None = None
     logprobs: bool | None = None
 
@@ -192,6 +228,7 @@ def error(status: int, message: str) -> JSONResponse:
 
 
 def _refuse_unsupported(body: _Common, fields: dict[str, Any]) -> None:
+    keep_alive_ns(body.keep_alive)  # Ollama binds it with the body: a bad one is a 400 first
     for name, why in fields.items():
         if why:
             raise Failure(400, f"{name}: {why}", name)
@@ -211,9 +248,9 @@ def _generation_fields(body: _Common, kind: str) -> dict[str, Any]:
         if options.get(name) is not None:
             out[name] = options[name]
     n = options.get("num_predict")
-    if n == 0:
-        raise Failure(400, "options.num_predict: must be at least 1, or -1 for no limit",
-                      "options.num_predict")
+    if n is not None and not (0 < n < 2**63 or n in (-1, -2)):
+        raise Failure(400, f"options.num_predict: {n} is not a number of tokens: use at least "
+                           "1, -1 for no limit or -2 to fill the context", "options.num_predict")
     # Ollama's default, -1 and -2 (fill the context): no limit but the context
     out["max_tokens"] = -1 if n is None or n < 0 else n
     schema: dict[str, Any] | None = None
@@ -374,7 +411,7 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
             body = validated(ChatBody, await json_body(request))
             _refuse_unsupported(body, {})
             if not body.messages:  # Ollama: load (or, with keep_alive 0, unload) the model
-                reason = "unload" if body.keep_alive in (0, "0", "0s") else "load"
+                reason = "unload" if _unloads(body) else "load"
                 return JSONResponse({"model": body.model or name(), "created_at": now(),
                                      "message": {"role": "assistant", "content": ""},
                                      "done_reason": reason, "done": True})
@@ -407,9 +444,10 @@ def router(engine: Engine, generate: Generate) -> APIRouter:
                                    "vocabulary has no fill-in-the-middle tokens)", "suffix")
             kind = "completions" if body.raw or body.suffix else "chat"
             fields = _generation_fields(body, kind)  # options are checked before a load
-            if not body.prompt:
+            if not body.prompt:  # Ollama: load (or, with keep_alive 0, unload) the model
                 return JSONResponse({"model": body.model or name(), "created_at": now(),
-                                     "response": "", "done": True, "done_reason": "load"})
+                                     "response": "", "done": True,
+                                     "done_reason": "unload" if _unloads(body) else "load"})
             if kind == "completions":  # raw, or a fill-in-the-middle prompt (no template)
                 inner: Body = validated(CompletionRequest, fields | {
                     "prompt": body.prompt, "suffix": body.suffix or None})

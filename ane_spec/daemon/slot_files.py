@@ -58,7 +58,9 @@ class SlotQuota:
 
 
 class BuildIdentity(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: a number is a JSON integer, never `true` or `1.0` (the hash has no key, so
+    # anyone can write a file that passes it)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     model: str
     max_seq: int
@@ -69,7 +71,7 @@ class BuildIdentity(BaseModel):
 
 
 class SlotHeader(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     build: BuildIdentity
     dtype: str
@@ -226,11 +228,27 @@ def load_slot(path: Path, layout: StateLayout) -> SlotContents:
             raise SlotFileError(f"{where}: holds K/V that are not finite (NaN or Inf); refused")
         arrays.append(rows.reshape(shape).copy())
         offset += count * layout.dtype.itemsize
-    try:
-        layout.make_ring(header.ring, n)
-    except ValueError as exc:
-        raise SlotFileError(f"{where}: its KV ring does not fit this build: {exc}") from None
+    _check_ring(where, header.ring, n, layout)
     return SlotContents(header.tokens, arrays, header.scope, header.ring)
+
+
+def _check_ring(where: str, ring: list[int] | None, n: int, layout: StateLayout) -> None:
+    """A ring build's saved positions are what `ring_positions` of n tokens gives: one per ring
+    slot, each -1 (none) or one of the n positions. Checked here, before numpy sees them: an
+    int past int64 (2**70) raised OverflowError where only ValueError was caught, and the
+    worker thread died with the restore unanswered."""
+    if ring is not None and layout.ring:  # (ring positions for a ring-less build: make_ring)
+        if len(ring) != layout.ring:
+            raise SlotFileError(f"{where}: its KV ring does not fit this build: {len(ring)} "
+                                f"ring positions for a ring of {layout.ring} slots")
+        if any(not -1 <= q < n for q in ring):
+            raise SlotFileError(f"{where}: its KV ring does not fit this build: a ring "
+                                f"position outside -1..{n - 1} (none, or one of its {n} "
+                                "tokens)")
+    try:
+        layout.make_ring(ring, n)
+    except (ValueError, OverflowError, TypeError) as exc:
+        raise SlotFileError(f"{where}: its KV ring does not fit this build: {exc}") from None
 
 
 def _content_hash(header: dict, payload: bytes) -> str:

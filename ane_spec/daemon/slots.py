@@ -241,30 +241,48 @@ class SlotManager:
                        reverse=True)
         loaded = []
         for name, info in files:
-            path = directory / name
             try:
-                tokens, arrays, scope, ring = load_slot(path, self.layout)
+                if self._load_one(directory / name, info):
+                    loaded.append(name)
             except SlotFileError as exc:
                 log.warning("not restoring a saved slot: %s", exc)
-                continue
-            self._tick += 1
-            entry = Spilled(self._new_id(), tokens, len(tokens), scope, arrays=arrays, ring=ring,
-                            nbytes=sum(a.nbytes for a in arrays), tick=-self._tick,
-                            last_used=info.st_mtime)
-            empty = next((s for s in self.resident if not s.tokens), None)
-            if empty is not None:
-                self._install(empty, entry)
-                empty.tick, empty.last_used, empty.scope = entry.tick, entry.last_used, scope
-            elif not self._keep(entry):
-                log.warning("not restoring %s: no resident slot and no spill budget left",
-                            path.name)
-                continue
-            self.record("load")
-            loaded.append(path.name)
+            except Exception as exc:  # noqa: BLE001 - one bad file must not keep the rest out
+                # (or, raised through the warm-up, the server down for good)
+                log.warning("not restoring saved slot %s: %s: %s", name, type(exc).__name__,
+                            exc)
         self._publish()
         return loaded
 
+    def forget_resident(self) -> None:
+        """After a job failed in a way nobody foresaw: what it was writing into a resident
+        state is unknown, so every resident slot forgets its conversation (the next request
+        there prefills again; slots past a conversation's tokens are never read). Spilled
+        copies are host-memory copies and stay."""
+        for slot in self.resident:
+            slot.tokens, slot.prompt_len, slot.scope = [], 0, None
+            slot.running_since, slot.running_prompt = None, 0
+        self._publish()
+
     # --- internals ---------------------------------------------------------------------------
+
+    def _load_one(self, path: Path, info) -> bool:  # noqa: ANN001 - an os.stat_result
+        """One saved file into an empty resident slot or the spill store; False when neither
+        has room."""
+        tokens, arrays, scope, ring = load_slot(path, self.layout)
+        self._tick += 1
+        entry = Spilled(self._new_id(), tokens, len(tokens), scope, arrays=arrays, ring=ring,
+                        nbytes=sum(a.nbytes for a in arrays), tick=-self._tick,
+                        last_used=info.st_mtime)
+        empty = next((s for s in self.resident if not s.tokens), None)
+        if empty is not None:
+            self._install(empty, entry)
+            empty.tick, empty.last_used, empty.scope = entry.tick, entry.last_used, scope
+        elif not self._keep(entry):
+            log.warning("not restoring %s: no resident slot and no spill budget left",
+                        path.name)
+            return False
+        self.record("load")
+        return True
 
     def _find(self, slot_id: int) -> Slot | Spilled:
         for entry in (*self.resident, *self.spilled):

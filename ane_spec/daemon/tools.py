@@ -164,17 +164,24 @@ class CallSyntax:
     single: bool = False
 
 
-# A call's name, then the separator before its arguments' key.
-NAME = r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*'
+# A call's name (at most 512 characters: tool names are at most 64, protocol.Tool), then the
+# separator before its arguments' key. Whitespace is possessive (`\s*+`): two runs side by
+# side never backtrack into each other, so a failed match costs one pass (issue 36).
+NAME = r'"name"\s*+:\s*+"((?:[^"\\]|\\.){0,512})"\s*+,\s*+'
 PHI4_SYNTAX = CallSyntax(
-    start=TOOL_CALL, header=re.compile(r'\s*[\[,]\s*\{\s*' + NAME + r'"arguments"\s*:\s*(?=\S)'),
-    close=re.compile(r"\s*\}"), end=re.compile(r"\s*\]"), end_marker=TOOL_CALL_END)
+    start=TOOL_CALL,
+    header=re.compile(r'\s*+[\[,]\s*+\{\s*+' + NAME + r'"arguments"\s*+:\s*+(?=\S)'),
+    close=re.compile(r"\s*+\}"), end=re.compile(r"\s*+\]"), end_marker=TOOL_CALL_END)
+
+
+_OUTSIDE_STRING = re.compile(r'["{}\[\]]')  # the characters `step` acts on, outside a string
+_INSIDE_STRING = re.compile(r'["\\]')      # and inside one
 
 
 class JsonScan:
     """Where a JSON value being streamed ends: bracket depth outside strings, so a `}` inside a
     string or after a backslash does not count. `step` is True when a closing bracket brings
-    the depth to zero."""
+    the depth to zero; `advance` steps through a text, jumping over what `step` ignores."""
 
     def __init__(self) -> None:
         self.depth = 0
@@ -198,8 +205,52 @@ class JsonScan:
             return self.depth == 0
         return False
 
+    def inert(self, text: str) -> bool:
+        """Whether `step` would act on no character of `text` (its state stays as it is)."""
+        return not self.escaped and (_INSIDE_STRING if self.in_string
+                                     else _OUTSIDE_STRING).search(text) is None
 
-class ToolCallParser:
+    def advance(self, s: str, pos: int) -> tuple[int, bool]:
+        """`step` through s[pos:] up to the closing bracket that brings the depth to zero:
+        (the position after it, True), or (len(s), False). Characters `step` ignores are
+        skipped by a regex search (a long run of them, say whitespace, in one C call)."""
+        while pos < len(s):
+            if self.escaped:  # the escaped character itself, whatever it is
+                self.escaped = False
+                pos += 1
+                continue
+            m = (_INSIDE_STRING if self.in_string else _OUTSIDE_STRING).search(s, pos)
+            if m is None:
+                return len(s), False
+            pos = m.end()
+            if self.step(m.group()):
+                return pos, True
+        return pos, False
+
+
+class StreamedCalls:
+    """The calls a streaming parser has read so far: `_calls` (each begun), the last call's
+    argument pieces not yet joined into it (`_arguments`), and how many are closed."""
+
+    _calls: list[dict[str, Any]]
+    _arguments: list[str]
+    _closed: int
+
+    @property
+    def whole_calls(self) -> list[dict[str, Any]]:
+        """The calls whose arguments are complete (all but a call cut off inside them)."""
+        return self.calls[:self._closed]
+
+    @property
+    def calls(self) -> list[dict[str, Any]]:
+        """Every call that began (its name whole, its arguments begun)."""
+        if self._arguments:  # joined here, not per piece: `+=` on a growing string copies it
+            self._calls[-1]["function"]["arguments"] += "".join(self._arguments)
+            self._arguments.clear()
+        return self._calls
+
+
+class ToolCallParser(StreamedCalls):
     """Splits generated text (special tokens rendered) into content and tool calls, piece by
     piece, so a stream can send OpenAI's tool-call deltas as the arguments are generated.
 
@@ -221,7 +272,17 @@ class ToolCallParser:
         self._state = "header"  # -> "arguments" -> "close" -> "header" ...
         self._json = JsonScan()  # inside a call's arguments
         self._closed = 0        # calls whose arguments are whole
-        self.calls: list[dict[str, Any]] = []  # {"id", "type", "function": {name, arguments}}
+        self._calls: list[dict[str, Any]] = []  # {"id", "type", "function": {name, arguments}}
+        self._arguments: list[str] = []  # the last call's pieces not yet joined into it
+        # Issue 36: a whitespace run streamed after `<|tool_call|>` was matched again from
+        # `_pos` at every piece. Now, when a match waits on text that ends in whitespace, more
+        # whitespace cannot change its answer (header, close and end take any whitespace where
+        # that text's ends, and each ends in a non-space or a lookahead for one), so whitespace
+        # pieces only queue up (`_spaces`) until another piece comes. The end marker is looked
+        # for in new text only.
+        self._idle = False
+        self._spaces: list[str] = []
+        self._marker_from = 0
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """(content to show, tool-call deltas: one per call index) for this piece of text."""
@@ -241,16 +302,26 @@ class ToolCallParser:
     def complete(self) -> bool:
         """Whether the calls were read whole (Phi-4-mini: through the list's closing bracket)."""
         if self.syntax.end is None and not self.syntax.single:
-            return bool(self.calls) and self._closed == len(self.calls)
-        return self._done and bool(self.calls)
-
-    @property
-    def whole_calls(self) -> list[dict[str, Any]]:
-        """The calls whose arguments are complete (all but a call cut off inside them)."""
-        return self.calls[:self._closed]
+            return bool(self._calls) and self._closed == len(self._calls)
+        return self._done and bool(self._calls)
 
     def _scan(self, text: str) -> list[dict[str, Any]]:
+        if self._idle and text.isspace():
+            self._spaces.append(text)
+            return []
+        if self._state == "arguments" and self._pos == len(self._call_text) and not self._spaces \
+                and self._json.inert(text):  # more of the arguments, and nothing else
+            self._arguments.append(text)
+            return [tool_call_delta(len(self._calls) - 1, None, None, text)]
+        if self._spaces:
+            text = "".join(self._spaces) + text
+            self._spaces.clear()
+        if self._pos > 4096:  # what is read is never looked at again
+            self._call_text = self._call_text[self._pos:]
+            self._marker_from = max(0, self._marker_from - self._pos)
+            self._pos = 0
         self._call_text += text
+        self._idle = False
         deltas: list[dict[str, Any]] = []
         s, syntax = self._call_text, self.syntax
         while not self._done:
@@ -260,37 +331,46 @@ class ToolCallParser:
                     name = json.loads(f'"{m.group(1)}"')
                     call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                             "function": {"name": name, "arguments": ""}}
-                    self.calls.append(call)
-                    deltas.append(tool_call_delta(len(self.calls) - 1, call["id"], name, ""))
+                    self.calls.append(call)  # (the previous call's pieces joined first)
+                    deltas.append(tool_call_delta(len(self._calls) - 1, call["id"], name, ""))
                     self._pos, self._json.depth, self._state = m.end(), 0, "arguments"
                     continue
-                if (self.calls and syntax.end is not None and syntax.end.match(s, self._pos)) \
-                        or (syntax.end_marker is not None and syntax.end_marker in s[self._pos:]):
+                if (self._calls and syntax.end is not None and syntax.end.match(s, self._pos)) \
+                        or self._marker_in(s):
                     self._done = True
+                    break
+                self._idle = s[-1:].isspace()
                 break
             if self._state == "arguments":
                 start = self._pos
-                while self._pos < len(s) and self._state == "arguments":
-                    self._step(s[self._pos])
-                    self._pos += 1
+                self._pos, closed = self._json.advance(s, self._pos)
+                if closed:
+                    self._state = "close"
                 if self._pos > start:
                     piece = s[start:self._pos]
-                    self.calls[-1]["function"]["arguments"] += piece
-                    deltas.append(tool_call_delta(len(self.calls) - 1, None, None, piece))
+                    self._arguments.append(piece)
+                    deltas.append(tool_call_delta(len(self._calls) - 1, None, None, piece))
                 if self._state == "arguments":
                     break
                 continue
             close = syntax.close.match(s, self._pos)  # the call object's own brace
-            self._closed = len(self.calls)
+            self._closed = len(self._calls)
             if not close:
+                self._idle = s[-1:].isspace()
                 break
             self._pos, self._state = close.end(), "header"
             self._done = syntax.single
         return deltas
 
-    def _step(self, ch: str) -> None:
-        if self._json.step(ch):
-            self._state = "close"
+    def _marker_in(self, s: str) -> bool:
+        """Whether the end marker is in the text from `_pos`, each character looked at once."""
+        marker = self.syntax.end_marker
+        if marker is None:
+            return False
+        found = s.find(marker, max(self._pos, self._marker_from)) >= 0
+        self._marker_from = max(self._pos, len(s) - len(marker) + 1)
+        return found
+
 
 
 def _one_per_index(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -167,6 +167,7 @@ class NgramDrafter:
         self.chain = bool(chain)
         self.memory = memory
         self.memory_rule = memory_rule
+        self.evidence = 0  # see `draft`
         self._start(())
 
     def __repr__(self) -> str:
@@ -435,16 +436,22 @@ class NgramDrafter:
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise AneSpecError(f"draft: k must be a non-negative integer, got {k!r}")
         out: list[int] = []
+        self.evidence = 0
         if k == 0 or not self._hist:
             return out
         pending = self._extend(out, k, self.ngram_min)
+        evidence = self._evidence
         memory = self.memory
         if memory is not None and memory.size:
             recalled, recalled_n = self._from_memory(memory, k, self.ngram_min)
             if self._memory_wins(memory, out, self._evidence, recalled, recalled_n):
                 out = recalled
+                evidence = recalled_n
                 if len(out) < k and self.chain:
                     self._extend(out, k, self.ngram_min)
+        # The match length behind the first token the rules (not fill's guesses) drafted: a
+        # followed copy counts its whole agreement. Model-drafter policy reads it.
+        self.evidence = evidence if out else 0
         if fill:
             while len(out) < k:
                 p = self._extend(out, k, 1, weak=True)

@@ -48,8 +48,11 @@ def load_chat_file(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 def generate(pipeline: ShardPipeline, tokens: list[int], options: GenerateOptions, *,
              ngram_min: int = 1, ngram_max: int = 4, trace_path: str | None = None,
-             on_text: Callable[[str], Any] | None = None) -> GenerationResult:
-    drafter = NgramDrafter(ngram_min=ngram_min, ngram_max=ngram_max)
+             on_text: Callable[[str], Any] | None = None,
+             drafter: Any = None) -> GenerationResult:
+    """`drafter`: e.g. a draft model beside the n-gram drafter (decode/draft_setup.py);
+    default: the n-gram drafter alone."""
+    drafter = drafter or NgramDrafter(ngram_min=ngram_min, ngram_max=ngram_max)
     if trace_path is None:
         return DecodeSession(pipeline, drafter=drafter).generate(tokens, options, on_text)
     with open(trace_path, "w") as fh:

@@ -43,7 +43,8 @@ from ane_spec.decode.grammar import (
 from ane_spec.decode.grammar_limits import (
     GrammarLimits, check_grammar_text, check_schema,
 )
-from ane_spec.model.tokenizer import Tokenizer, TokenizerData
+from ane_spec.model.tokenizer import Tokenizer
+from ane_spec.model.tokenizer_data import TokenizerData
 
 log = logging.getLogger("ane_spec.grammar")
 

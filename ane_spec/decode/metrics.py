@@ -24,6 +24,12 @@ class RequestStats:
     reused_prefix_tokens: int = 0
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
+    prefill_passes: int = 0
+    prefill_function_passes: int = 0  # of those, passes of the build's prefill function
+    # The widest prefill pass this request ran: the build's prefill T where it used the prefill
+    # function, else the decode shape's T (0: nothing was prefilled).
+    prefill_t: int = 0
+    ttft_seconds: float = 0.0  # from the request's start to its first token chosen
     generated_tokens: int = 0
     decode_seconds: float = 0.0
     passes: int = 0
@@ -36,6 +42,15 @@ class RequestStats:
     t1_redo_passes: int = 0
     backend_seconds: float = 0.0
     host_seconds: float = 0.0
+    # Per draft source ("model", "ngram", "grammar", "none"): passes, drafted, accepted.
+    sources: dict[str, list[int]] = field(default_factory=dict)
+    draft_model_passes: int = 0     # the draft model's passes on the critical path
+    draft_seconds: float = 0.0      # wall time spent waiting for drafts (part of host time)
+
+    def record_prefill_pass(self, width: int, prefill_function: bool) -> None:
+        self.prefill_passes += 1
+        self.prefill_function_passes += prefill_function
+        self.prefill_t = max(self.prefill_t, width)
 
     def record_pass(self, drafted: int, accepted: int, produced: int) -> None:
         self.passes += 1
@@ -44,6 +59,15 @@ class RequestStats:
         self.pass_tokens += produced
         self.passes_with_draft += drafted > 0
         self.accepted_histogram[accepted] += 1
+
+    def record_source(self, source: str, drafted: int, accepted: int, model_passes: int,
+                      seconds: float) -> None:
+        row = self.sources.setdefault(source, [0, 0, 0])
+        row[0] += 1
+        row[1] += drafted
+        row[2] += accepted
+        self.draft_model_passes += model_passes
+        self.draft_seconds += seconds
 
     def to_dict(self) -> dict[str, Any]:
         def rate(n: float, d: float) -> float:
@@ -54,7 +78,11 @@ class RequestStats:
             "prompt_tokens": self.prompt_tokens,
             "reused_prefix_tokens": self.reused_prefix_tokens,
             "prefill_tokens": self.prefill_tokens,
+            "prefill_passes": self.prefill_passes,
+            "prefill_function_passes": self.prefill_function_passes,
+            "prefill_t": self.prefill_t,
             "prefill_tok_s": rate(self.prefill_tokens, self.prefill_seconds),
+            "ttft_seconds": round(self.ttft_seconds, 4),
             "generated_tokens": self.generated_tokens,
             "decode_tok_s": rate(self.pass_tokens, self.decode_seconds),
             "passes": self.passes,
@@ -63,6 +91,10 @@ class RequestStats:
             "acceptance": rate(self.accepted, self.drafted),
             "accepted_histogram": {str(k): v for k, v in sorted(self.accepted_histogram.items())},
             "guard_interventions": self.guard_interventions,
+            "draft_sources": {k: {"passes": v[0], "drafted": v[1], "accepted": v[2]}
+                              for k, v in sorted(self.sources.items())},
+            "draft_model_passes": self.draft_model_passes,
+            "draft_seconds": round(self.draft_seconds, 4),
             "backend_seconds": round(self.backend_seconds, 4),
             "host_seconds": round(self.host_seconds, 4),
             "prefill_seconds": round(self.prefill_seconds, 4),
@@ -71,8 +103,9 @@ class RequestStats:
 
     def summary(self) -> str:
         d = self.to_dict()
-        return (f"prompt {d['prompt_tokens']} tok (prefilled {d['prefill_tokens']}, "
-                f"{d['prefill_tok_s']} tok/s) | generated {d['generated_tokens']} tok, decode "
+        return (f"prompt {d['prompt_tokens']} tok (prefilled {d['prefill_tokens']} in "
+                f"{d['prefill_passes']} passes of T={d['prefill_t']}, {d['prefill_tok_s']} tok/s, "
+                f"first token at {d['ttft_seconds']}s) | generated {d['generated_tokens']} tok, decode "
                 f"{d['decode_tok_s']} tok/s | {d['passes']} passes, {d['tokens_per_pass']} "
                 f"tok/pass, hit rate {d['draft_hit_rate']}, acceptance {d['acceptance']}, "
                 f"guard {d['guard_interventions']} | {d['decode_shape']} shape | backend {d['backend_seconds']}s, host "

@@ -207,6 +207,28 @@ def accept_draft(p: np.ndarray, draft: int, rng: np.random.Generator) -> tuple[b
     return False, sample(residual / total, rng)
 
 
+def accept_draft_q(p: np.ndarray, q: np.ndarray, draft: int,
+                   rng: np.random.Generator) -> tuple[bool, int | None]:
+    """Speculative sampling for a draft x drawn from the draft model's distribution q
+    (Leviathan et al. 2023; Chen et al. 2023): accept with probability min(1, p(x) / q(x)); on
+    rejection draw from the residual (p - q)+, normalised. Then P(emit y) = min(p(y), q(y)) +
+    (1 - sum_z min(p(z), q(z))) (p(y) - q(y))+ / sum_z (p(z) - q(z))+ = p(y).
+
+    A q that is a point mass on x is `accept_draft` (the residual is p without x)."""
+    px, qx = float(p[draft]), float(q[draft])
+    if qx <= 0.0:  # x could not have been drawn from q: never trust it
+        accept = False
+    else:
+        accept = rng.random() < min(1.0, px / qx)
+    if accept:
+        return True, None
+    residual = np.maximum(p - q, 0.0)
+    total = residual.sum()
+    if total <= 0.0:  # p <= q everywhere means p == q: rng.random() < 1 always accepts
+        return True, None
+    return False, sample(residual / total, rng)
+
+
 def token_logprobs(logits: np.ndarray, token: int,
                    top_n: int) -> tuple[float, list[tuple[int, float]]]:
     """log p(token) under softmax(logits), and the top_n likeliest tokens with theirs."""

@@ -5,14 +5,20 @@ token (the last one emitted) is not in the cache yet; each pass writes [pending,
 slots p.., keeps pending + the m accepted drafts, and leaves the rest as stale slots that the
 attention mask hides and the next pass overwrites. Nothing is ever copied or rolled back.
 
-A later request whose prompt starts with `kv_tokens` (the next chat turn) prefills only the new
-tokens; anything else simply starts writing at slot 0 again. So does a prefix that a KV ring
+A prompt is prefilled in passes of the build's prefill function (P tokens, layers only, the
+head on the last token alone) where that is cheaper, else in decode-shape passes
+(`prefill_plan.plan_chunks`). A later request whose prompt starts with `kv_tokens` (the next
+chat turn) prefills only the new tokens; anything else simply starts writing at slot 0 again. So does a prefix that a KV ring
 (sliding-window layers, model/swa_ring.py) can no longer continue: `ShardPipeline.can_resume`.
 
-Exactness. In the pipeline's fixed decode shape every pass (prefill chunk, verify pass, plain
-greedy step) computes 4 rows, so a token's logits and K/V never depend on the row it sat in or on
-its neighbours: speculative greedy output equals plain greedy output bitwise wherever the backend
-is row-invariant (`probe row-invariance`), and the exactness guard has nothing to do. In the mixed
+Exactness. In the pipeline's fixed decode shape every verify pass and plain greedy step computes
+4 rows, and every prompt chunk 4 rows or, through the prefill function, P rows, chunked alike for
+a speculative and a greedy run of one prompt on one loaded model (`prefill_plan`); so a token's
+logits and K/V never depend on the row it sat in or on its neighbours: speculative greedy output
+equals plain greedy output bitwise wherever the backend is row-invariant at both widths (`probe
+row-invariance`), and the exactness guard has nothing to do. A conversation continued on its
+cache (the reply's K/V written by 4-row passes) also equals a fresh prefill of it where the
+backend is row-invariant across the two widths (the probe's cross-shape check). In the mixed
 shape, T=1 and T=4 passes round differently; the guard then redoes near-tie rows at T=1, which is
 best effort only: it cannot re-write the KV history earlier T=4 passes left behind.
 """
@@ -30,6 +36,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from ane_spec.decode.drafter import Drafter, NgramDrafter
 from ane_spec.decode.grammar import Grammar
 from ane_spec.decode.metrics import RequestStats, Trace
+from ane_spec.decode.prefill_plan import plan_chunks
+from ane_spec.runtime.decode_shape import PrefillMode
 from ane_spec.decode.sampling import SamplingParams, sample, token_logprobs
 from ane_spec.decode.stops import StopMatcher
 from ane_spec.decode.verify import RowChooser, Verdict, verify_greedy, verify_sampled
@@ -134,6 +142,9 @@ class DecodeSession:
     trace: Trace | None = None
     # None: as the decode shape's policy decides (measuring pass costs where it needs them).
     fill_drafts: bool | None = None
+    # Which prompt chunks use the build's prefill function: auto (where measured cheaper),
+    # on (every chunk), off (none: every chunk at the decode shape); None: the pipeline's.
+    prefill: PrefillMode | None = None
 
     def __post_init__(self) -> None:
         self.state = self.pipeline.new_state()
@@ -165,15 +176,20 @@ class DecodeSession:
         t0 = time.perf_counter()
         if options.time_limit is not None:
             run.deadline = time.monotonic() + options.time_limit
+        prepare = getattr(self.drafter, "prepare", None)
+        if prepare is not None:  # a draft model draws its drafts from q when sampling
+            prepare(options.sampling)
+        # Before the target's prefill: a draft model in its own process prefills meanwhile.
+        self.drafter.reset(prompt)
         last = self._prefill(prompt, run.stats, run.should_stop)
         run.stats.prefill_seconds = time.perf_counter() - t0
-        self.drafter.reset(prompt)
         if last is None:
             run.finish = "cancelled"
             return run.result()
 
         t1 = time.perf_counter()
         run.pending = run.first_token(last)
+        run.stats.ttft_seconds = time.perf_counter() - t0
         if run.emit(run.pending):
             while self._step(run):
                 pass
@@ -222,12 +238,25 @@ class DecodeSession:
         stats.prefill_tokens = len(prompt) - reuse
         self.kv_tokens = self.kv_tokens[:reuse]
         out = None
-        for start in range(reuse, len(prompt), self.pipeline.max_t):
+        for start, end, prefill in plan_chunks(self.pipeline, reuse, len(prompt), self.prefill):
             if should_stop():
                 return None
-            chunk = prompt[start:start + self.pipeline.max_t]
-            out = self.pipeline.run(chunk, start, self.state)
+            chunk = prompt[start:end]
+            t0 = time.perf_counter()
+            if prefill:
+                out = self.pipeline.run_prefill(chunk, start, self.state,
+                                                head=end == len(prompt))
+            else:
+                out = self.pipeline.run(chunk, start, self.state)
             self.kv_tokens.extend(chunk)
+            stats.record_prefill_pass(self.pipeline.prefill_t if prefill else
+                                      self.pipeline.shape.pass_width(end - start), prefill)
+            if self.trace is not None:
+                self.trace.write(prefill=True, position=start, T=end - start,
+                                 width=(self.pipeline.prefill_t if prefill
+                                        else self.pipeline.shape.pass_width(end - start)),
+                                 function="prefill" if prefill else "decode",
+                                 ms=round(1000 * (time.perf_counter() - t0), 3))
         return out
 
     def _step(self, run: "_Run") -> bool:
@@ -246,8 +275,12 @@ class DecodeSession:
         run.check_grammar_cost()
         t0 = time.perf_counter()
         room = min(MAX_DRAFT, self.pipeline.max_seq - p - 1, run.remaining())
+        run.source, run.q, run.draft_passes, run.draft_seconds = "none", None, 0, 0.0
         drafts = run.drafts(room) if run.options.speculative and room > 0 else []
         block = [run.pending, *drafts]
+        verifying = getattr(self.drafter, "verifying", None)
+        if verifying is not None and drafts and run.options.speculative:
+            verifying(block)  # a draft model in its own process looks past the block meanwhile
         out = self.pipeline.run(block, p, self.state)
         verdict = run.verify(drafts, out)
         backend = out.backend_seconds
@@ -265,12 +298,15 @@ class DecodeSession:
         else:
             run.stats.record_pass(len(drafts), verdict.accepted, verdict.accepted + 1)
             run.record_logprobs([*drafts[:verdict.accepted], verdict.next_token], out)
+        run.stats.record_source(run.source, len(drafts), verdict.accepted, run.draft_passes,
+                                run.draft_seconds)
         self.kv_tokens.extend(block[:verdict.accepted + 1])
         run.stats.backend_seconds += backend
         run.stats.host_seconds += time.perf_counter() - t0 - backend
         if self.trace is not None:
             self.trace.write(position=p, T=len(block), width=self.pipeline.shape.pass_width(len(block)),
-                             drafts=drafts, accepted=verdict.accepted,
+                             drafts=drafts, source=run.source, draft_passes=run.draft_passes,
+                             accepted=verdict.accepted,
                              next=verdict.next_token, guard_row=verdict.guard_row,
                              backend_ms=round(1000 * backend, 3),
                              host_ms=round(1000 * (time.perf_counter() - t0 - backend), 3))
@@ -306,6 +342,11 @@ class _Run:
         self.time_limited = False
         self.indent = _IndentLimit(options.n_indent)
         self.grammar_costs: list[tuple[int, float]] = []  # (tokens, grammar CPU s) per pass
+        # The current pass's drafts: which source drafted them, a draft model's q (sampling),
+        # and the draft model's passes and seconds spent on them.
+        self.source = "none"
+        self.q: list[np.ndarray] | None = None
+        self.draft_passes, self.draft_seconds = 0, 0.0
 
     def check_grammar_cost(self) -> None:
         """Raise GrammarTooCostly when the grammar's masks cost more than the budget per token,
@@ -348,14 +389,27 @@ class _Run:
         grammar = self.chooser.grammar
         forced = grammar.forced_tokens() if grammar is not None else []
         if forced:
+            self.source = "grammar"
             return forced[:room]
-        return self.session.drafter.draft(room, fill=self.session.fill_drafts)[:room]
+        drafter = self.session.drafter
+        propose = getattr(drafter, "propose", None)
+        if propose is None:  # a plain drafter: deterministic guesses
+            drafts = drafter.draft(room, fill=self.session.fill_drafts)[:room]
+            self.source = "ngram" if drafts else "none"
+            return drafts
+        proposal = propose(room, fill=self.session.fill_drafts)
+        drafts = proposal.tokens[:room]
+        self.source = proposal.source if drafts else "none"
+        self.q = proposal.q[:len(drafts)] if proposal.q is not None and drafts else None
+        self.draft_passes, self.draft_seconds = proposal.passes, proposal.seconds
+        return drafts
 
     def verify(self, drafts: list[int], out: BlockOutput) -> Verdict:
         if self.options.sampling.greedy:
             # A T=1 pass is exactly what plain decoding runs: nothing for the guard to judge.
             return verify_greedy(drafts, out, self.guard if drafts else None, self.chooser)
-        return verify_sampled(drafts, out, self.options.sampling, self.rng, self.chooser)
+        return verify_sampled(drafts, out, self.options.sampling, self.rng, self.chooser,
+                              q=self.q if drafts else None)
 
     def record_logprobs(self, tokens: list[int], out: BlockOutput, *, first_row: int = 0,
                         redo_row: tuple[BlockOutput, int] | None = None) -> None:

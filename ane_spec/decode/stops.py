@@ -10,6 +10,7 @@ here?", "could one still start here?") is a few binary searches, whatever their 
 
 from __future__ import annotations
 
+import re
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from os.path import commonprefix
@@ -19,6 +20,10 @@ class StopMatcher:
     def __init__(self, stops: Sequence[str] = ()):
         self.stops = sorted({s for s in stops if s})
         self.longest = max(map(len, self.stops), default=0)
+        # Where a stop string can start: only at one of their first characters (a long run of
+        # other text, say whitespace, is skipped at C speed instead of bisected per character).
+        firsts = "".join(map(re.escape, sorted({s[0] for s in self.stops})))
+        self._firsts = re.compile(f"[{firsts}]" if firsts else "(?!)")
         self.held = ""
         self.stopped = False
         self.word: str | None = None  # the stop string that ended the text
@@ -30,8 +35,11 @@ class StopMatcher:
             return ""
         if not self.stops:
             return text
+        if not self.held and self._firsts.search(text) is None:
+            return text  # no stop string can start in it
         self.held += text
-        for start in range(len(self.held)):
+        for found in self._firsts.finditer(self.held):
+            start = found.start()
             stop = self._stop_at(self.held[start:start + self.longest])
             if stop is not None:
                 self.stopped, self.word = True, stop
@@ -66,7 +74,8 @@ class StopMatcher:
     def _longest_partial_suffix(self) -> int:
         """Length of the longest suffix of held text that is a proper prefix of a stop string:
         the strings starting with a given text sort together, from the first one >= it."""
-        for start in range(max(0, len(self.held) - self.longest + 1), len(self.held)):
+        for found in self._firsts.finditer(self.held, max(0, len(self.held) - self.longest + 1)):
+            start = found.start()
             suffix = self.held[start:]
             i = bisect_left(self.stops, suffix)
             if i < len(self.stops) and self.stops[i].startswith(suffix):

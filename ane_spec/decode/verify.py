@@ -21,8 +21,8 @@ import numpy as np
 
 from ane_spec.decode.grammar import GrammarState
 from ane_spec.decode.sampling import (
-    LogitProcessor, NoTokenLeft, SamplingParams, accept_draft, sample, target_distribution,
-    top2_margin,
+    LogitProcessor, NoTokenLeft, SamplingParams, accept_draft, accept_draft_q, sample,
+    target_distribution, top2_margin,
 )
 from ane_spec.runtime.pipeline import BlockOutput
 from ane_spec.runtime.row_keys import EXCLUDED, excluded_argmax
@@ -178,11 +178,16 @@ def _near_tie(out: BlockOutput, row: int, guard_margin: float | None) -> bool:
 
 
 def verify_sampled(drafts: list[int], out: BlockOutput, params: SamplingParams,
-                   rng: np.random.Generator, chooser: RowChooser | None = None) -> Verdict:
-    """Speculative sampling row by row; the first rejection draws the replacement and stops."""
+                   rng: np.random.Generator, chooser: RowChooser | None = None,
+                   q: Sequence[np.ndarray] | None = None) -> Verdict:
+    """Speculative sampling row by row; the first rejection draws the replacement and stops.
+    `q[i]`: the distribution a draft model drew drafts[i] from; without it a draft is a
+    deterministic guess (a point mass)."""
     choose = chooser or RowChooser(params)
     for i, draft in enumerate(drafts):
-        accepted, replacement = accept_draft(choose.distribution(out, i), draft, rng)
+        p = choose.distribution(out, i)
+        accepted, replacement = (accept_draft(p, draft, rng) if q is None
+                                 else accept_draft_q(p, q[i], draft, rng))
         if not accepted:
             choose.advance(replacement)
             return Verdict(i, replacement)

@@ -40,6 +40,9 @@ OLDEST_RUNNABLE_GRAPH_REVISION = 5
 MAX_SEQ_LIMIT = 1 << 20
 # The token axis is RangeDim(1..4); anything wider was never built by this compiler.
 MAX_T_LIMIT = 16
+# The prefill function's fixed T (`build --prefill-t`); bounds the masks a manifest may make the
+# host build per pass ([P, S] each).
+MAX_PREFILL_T = 512
 MAX_PATH_CHARS = 1024
 # A 262,144-token vocabulary in 16,384-row argmax chunks, one chunk per package, is 16
 # packages; 256 bounds what a manifest may make the runtime load.
@@ -136,9 +139,49 @@ class BuildOptions(_Strict):
     # How the layers hide slots (shards/layer_graph.py): "select" (exact whatever a row holds)
     # or "additive" (clip and an added mask only). Builds from before it was recorded: select.
     mask_form: Literal["select", "additive"] = "select"
+    # How the layers write their K/V rows (shards/layer_graph.write_rows): "scatter" rewrites
+    # every slot each pass, "slice" only a window of the pass's width over the slots it writes
+    # (its programs take kv_write_start). Builds from before it was recorded: scatter.
+    kv_write: Literal["scatter", "slice"] = "scatter"
+    # How the LM head lays out its logits (shards/programs.HeadLayout): "channels", the hidden
+    # layout's [1, V_i, T, 1] / [1, V_i, 1, T]; "vocab-last", [1, T, V_i] as Anemll's heads emit
+    # them. Builds from before it was recorded: channels.
+    head_layout: Literal["channels", "vocab-last"] = "channels"
     # Slots of each sliding-window layer's K/V ring (model/swa_ring.py); 0: those layers keep
     # full-length states (and builds from before rings, which did not record it).
     swa_ring: int = Field(0, ge=0)
+    # Every layer package's functions: the decode/verify program (RangeDim token axis, Core
+    # ML's default function) and, where prefill_t > 0, the same layers at a fixed T = prefill_t
+    # for prompts, sharing its weights and its states. Builds from before it: decode only.
+    decode_function: str = Field("main", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+    prefill_function: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+    prefill_t: int = Field(0, ge=0, le=MAX_PREFILL_T)
+
+    @model_validator(mode="after")
+    def _prefill_consistent(self) -> "BuildOptions":
+        if (self.prefill_t > 0) != (self.prefill_function is not None):
+            raise ValueError("build.prefill_t and build.prefill_function go together")
+        if self.prefill_t and self.prefill_t <= self.t_range[1]:
+            raise ValueError(f"build.prefill_t {self.prefill_t} is not wider than the decode "
+                             f"function's {self.t_range[1]} rows")
+        if self.prefill_t > self.max_seq:
+            raise ValueError(f"build.prefill_t {self.prefill_t} exceeds build.max_seq "
+                             f"{self.max_seq}")
+        if self.prefill_function == self.decode_function:
+            raise ValueError("build.prefill_function and decode_function must differ")
+        return self
+
+    @model_validator(mode="after")
+    def _head_layout_with_logits(self) -> "BuildOptions":
+        if self.head_layout != "channels" and self.head_argmax:
+            raise ValueError("build.head_layout vocab-last needs a logits head (head_argmax "
+                             "false)")
+        return self
+
+    @property
+    def widest_pass(self) -> int:
+        """The most rows one pass writes: a prefill chunk, or a decode/verify block."""
+        return max(self.t_range[1], self.prefill_t)
 
 
 class PackageEntry(_Strict):
@@ -315,6 +358,7 @@ class Manifest(_Strict):
             if r is not None:
                 _check_rope(r, b.max_seq, c.rope_dims)
         _check_ring(self)
+        _check_kv_write(self)
         rs = self.residual_scale
         if rs is not None and rs.calibration is not None and (
                 len(rs.calibration.layers) != c.num_layers):
@@ -330,11 +374,11 @@ def _check_ring(m: "Manifest") -> None:
     if b.swa_ring:
         if not c.has_local_layers:
             raise ValueError("build.swa_ring is set but the model has no sliding-window layers")
-        want = ring_rows(c.sliding_window, b.t_range[1])
+        want = ring_rows(c.sliding_window, b.widest_pass)
         if b.swa_ring != want or b.swa_ring >= b.max_seq:
             raise ValueError(f"build.swa_ring {b.swa_ring} is not the ring this ane-spec keeps "
                              f"for a window of {c.sliding_window} and passes of up to "
-                             f"{b.t_range[1]} rows ({want} slots, shorter than build.max_seq "
+                             f"{b.widest_pass} rows ({want} slots, shorter than build.max_seq "
                              f"{b.max_seq}): rebuild")
     for shard in m.shards:
         for spec in shard.states:
@@ -345,6 +389,21 @@ def _check_ring(m: "Manifest") -> None:
             if spec.shape[2] != rows:
                 raise ValueError(f"state '{spec.name}' has {spec.shape[2]} slots; build.swa_ring "
                                  f"{b.swa_ring} and max_seq {b.max_seq} say {rows}")
+
+
+# The slice form's window-start input (shards/programs.KV_WRITE_START; named here so that
+# reading a manifest does not import the compiler).
+KV_WRITE_START = "kv_write_start"
+
+
+def _check_kv_write(m: "Manifest") -> None:
+    """Every shard takes the window starts exactly when build.kv_write is slice: the host feeds
+    the form the manifest names, so a manifest naming the other one is refused when read."""
+    slice_form = m.build.kv_write == "slice"
+    for n, shard in enumerate(m.shards):
+        if any(i.name == KV_WRITE_START for i in shard.inputs) != slice_form:
+            raise ValueError(f"shards[{n}] {'lacks' if slice_form else 'takes'} the input "
+                             f"'{KV_WRITE_START}', but build.kv_write is {m.build.kv_write}")
 
 
 def _state_layer(name: str) -> int | None:

@@ -33,7 +33,7 @@ from ane_spec.manifests.schema import (
 )
 
 if TYPE_CHECKING:
-    from ane_spec.model.tokenizer import TokenizerData
+    from ane_spec.model.tokenizer_data import TokenizerData
 
 _CHUNK = 1 << 22
 # A real manifest is tens of KB (RoPE factors, interfaces, gate figures).
@@ -154,7 +154,7 @@ class LoadedManifest:
     def tokenizer_data(self) -> "TokenizerData":
         """The build's tokenizer.json, validated (ManifestError if it is not a valid one)."""
         if self._tokenizer is None:
-            from ane_spec.model.tokenizer import TokenizerData
+            from ane_spec.model.tokenizer_data import TokenizerData
 
             path = self.path(self.manifest.tokenizer)
             with open_regular(path) as fh:

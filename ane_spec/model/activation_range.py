@@ -100,17 +100,27 @@ class _Collector:
         setattr(r, what, max(getattr(r, what), peak))
 
 
+class CalibrationStopped(Exception):
+    """A running calibration was asked to stop (its `checkpoint` raised this): the build it
+    served failed or was interrupted, and nothing will read its result."""
+
+
 @dataclass
 class _Progress:
-    """Passes observations on, and says how far the calibration is every few layers."""
+    """Passes observations on, says how far the calibration is every few layers, and calls
+    `checkpoint` before each observation (a few times per layer): a caller running the
+    calibration beside other work stops it there, or changes its thread count."""
 
     collect: _Collector
     say: Progress
     layers: int
     started: float
+    checkpoint: Callable[[], None] | None = None
     last: float = 0.0
 
     def __call__(self, what: str, layer: int, x: "torch.Tensor") -> None:
+        if self.checkpoint is not None:
+            self.checkpoint()
         self.collect(what, layer, x)
         now = time.monotonic()
         if what == "residual" and now - self.last > 5.0 and layer + 1 < self.layers:
@@ -137,9 +147,11 @@ def calibration_tokens(model: GGUFModel, prompts: Sequence[str] = CALIBRATION_PR
 
 def measure_activations(model: GGUFModel, prompts: Sequence[str] = CALIBRATION_PROMPTS,
                         max_tokens: int = DEFAULT_MAX_TOKENS,
-                        progress: Progress | None = None) -> ActivationRanges:
+                        progress: Progress | None = None,
+                        checkpoint: Callable[[], None] | None = None) -> ActivationRanges:
     """Per-layer activation maxima of the fp32 reference over `prompts` (see module docstring).
-    Raises ValueError if the fp32 reference itself produces a non-finite value."""
+    Raises ValueError if the fp32 reference itself produces a non-finite value; whatever
+    `checkpoint` raises (CalibrationStopped) ends the run."""
     from ane_spec.model.reference import ReferenceModel
 
     say = progress or (lambda _msg: None)
@@ -152,7 +164,7 @@ def measure_activations(model: GGUFModel, prompts: Sequence[str] = CALIBRATION_P
     # once and one layer's fp32 weights are held at a time (the build's memory stays bounded by
     # a shard, and a 3.8B model costs one pass over its weights, not one per prompt).
     ref = ReferenceModel(model, context_window=window, materialize=False,
-                         observer=_Progress(collect, say, c.num_layers, started))
+                         observer=_Progress(collect, say, c.num_layers, started, checkpoint))
     say(f"calibrating activations: {len(sequences)} prompts, "
         f"{sum(map(len, sequences))} tokens, fp32 reference")
     # A corrupt file's inf/NaN weights would warn in numpy's dequantization; they are found and

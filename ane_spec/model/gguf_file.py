@@ -26,6 +26,7 @@ from ane_spec.errors import ConfigError, GGUFError, TokenizerError, describe, un
 from ane_spec.model.architectures import get_architecture
 from ane_spec.model.config import ModelConfig, first_error
 from ane_spec.model.gguf_format import GGUFContents, file_identity, read_gguf
+from ane_spec.model.pre_tokenizers import default_add_bos, forced_add_bos
 from ane_spec.model.quant import (
     DEQUANTIZABLE,
     FLOAT_TYPES,
@@ -35,12 +36,7 @@ from ane_spec.model.quant import (
     q8_0_dequantize,
 )
 from ane_spec.model.rope import RopeSpec, make_rope_spec
-from ane_spec.model.tokenizer import (
-    TokenizerData,
-    default_add_bos,
-    forced_add_bos,
-    strip_rule_for_name,
-)
+from ane_spec.model.tokenizer_data import TokenizerData, strip_rule_for_name
 
 # Every type gguf-py can dequantize (quant.py): the float types, the legacy and K-quants, the
 # IQ, ternary and FP4 types. Q8_0 and the float types keep zero-copy fast paths.
@@ -225,6 +221,7 @@ class GGUFModel:
         self.metadata = contents.metadata
         # The whole file as uint8, zero-copy: every tensor's `raw` is a slice of it.
         self.buffer = np.frombuffer(contents.mapping, dtype=np.uint8)
+        self._mapping = contents.mapping if isinstance(contents.mapping, mmap.mmap) else None
         self.tensors = tensors
         self.config = config
         self.identity = contents.identity
@@ -294,19 +291,6 @@ class GGUFModel:
         return tokenizer_data_from_metadata(self.metadata, self.path.name)
 
     @property
-    def file_type_name(self) -> str:
-        """`general.file_type` as llama.cpp names it (`Q4_K_M`, `Q8_0`, `F16`), or what the
-        attention matrices' types say when the key is absent or unknown."""
-        code = self.metadata.get("general.file_type")
-        if isinstance(code, int) and not isinstance(code, bool):
-            try:
-                name = LlamaFileType(code).name
-            except ValueError:
-                return f"unknown ({code})"
-            return name.removeprefix("MOSTLY_").removeprefix("ALL_")
-        return self.file_type
-
-    @property
     def file_type(self) -> str:
         types = {t.type_name for n, t in self.tensors.items()
                  if n.endswith(("attn_qkv.weight", "attn_q.weight"))}
@@ -315,9 +299,7 @@ class GGUFModel:
     @property
     def file_type_name(self) -> str:
         """`general.file_type` as llama.cpp and Ollama name it ("Q8_0", "Q4_K_M", "F16"), else
-        the stored type of the attention matrices."""
-        from gguf import LlamaFileType
-
+        the stored type of the attention matrices (also for a code gguf-py does not know)."""
         value = self.metadata.get("general.file_type")
         if isinstance(value, int) and not isinstance(value, bool):
             try:
@@ -344,18 +326,34 @@ class GGUFModel:
             h = hashlib.sha256()
             step = 1 << 26
             for start in range(t.file_offset, t.file_offset + t.nbytes, step):
-                block = self.buffer[start:min(start + step, t.file_offset + t.nbytes)]
+                end = min(start + step, t.file_offset + t.nbytes)
+                block = self.buffer[start:end]
                 whole.update(block)
                 h.update(block)
-            t.release()
+                # Block by block, not tensor by tensor: a 650 MB embedding table's pages would
+                # all count in RSS at once, and a build may hash while it holds a whole shard
+                # of converted weights (build.py hashes while the calibration finishes).
+                self._release(start, end)
             per_tensor[t.name] = h.hexdigest()
             pos = t.file_offset + t.nbytes
         whole.update(self.buffer[pos:])
         return whole.hexdigest(), per_tensor
 
+    def _release(self, start: int, end: int) -> None:
+        """Give back the file pages of bytes [start, end) (see Tensor.release)."""
+        mapping = self._mapping
+        if mapping is None:
+            return
+        page = mmap.PAGESIZE
+        start -= start % page
+        end = min(len(mapping), -(-end // page) * page)
+        if end > start:
+            mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def close(self) -> None:
         # The mapping is unmapped when the last view into it is gone.
         self.buffer = np.empty(0, np.uint8)
+        self._mapping = None
         self.tensors = {}
 
     def __enter__(self) -> "GGUFModel":

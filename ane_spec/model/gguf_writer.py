@@ -22,7 +22,7 @@ from ane_spec.errors import ConfigError
 from ane_spec.model.config import ModelConfig, swa_flags
 from ane_spec.model.gguf_file import expected_tensor_shapes, optional_tensor_shapes
 from ane_spec.model.quant import Q8_0_BLOCK, Q8_0_BLOCK_BYTES, q8_0_quantize
-from ane_spec.model.tokenizer import TokenizerData
+from ane_spec.model.tokenizer_data import TokenizerData
 
 #: `general.file_type` per matrix type (llama_ftype: MOSTLY_Q8_0 = 7, MOSTLY_F16 = 1, MOSTLY_BF16 = 32)
 FILE_TYPES = {GGMLQuantizationType.Q8_0: 7, GGMLQuantizationType.F16: 1,

@@ -1,9 +1,9 @@
-"""A human- and machine-readable summary of a GGUF file (`ane-spec inspect`)."""
+"""A human- and machine-readable summary of a GGUF file (`ane-spec inspect FILE`); a build
+folder's summary reads its manifest, a layer up (manifests/inspect_build.py)."""
 
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 from ane_spec.model.gguf_file import GGUFModel, optional_tensor_shapes
@@ -89,48 +89,3 @@ def format_description(d: dict[str, Any]) -> str:
                  f"{'BOS added' if t['add_bos'] else 'no BOS'}, "
                  f"chat template {t['chat_template']}")
     return "\n".join(lines)
-
-
-def describe_build(folder: Path) -> dict[str, Any]:
-    """A build folder's weights: per package, each tensor's format, cosine and reason."""
-    from ane_spec.manifests.store import load_manifest
-
-    m = load_manifest(folder, verify=False).manifest
-    packages = {}
-    for entry in [*m.shards, *m.heads]:
-        packages[entry.file.path] = {
-            "bytes": entry.file.bytes, "requested": entry.quant.format,
-            "worst_cosine": entry.quant.worst_cosine, "worst_tensor": entry.quant.worst_tensor,
-            "tensors": {n: t.model_dump() for n, t in entry.quant.tensors.items()}}
-    formats = Counter(t["format"] for p in packages.values() for t in p["tensors"].values())
-    return {"path": str(folder), "name": m.name, "source": m.source.path,
-            "weights": m.build.weights, "min_weight_cosine": m.build.min_weight_cosine,
-            "mask_form": m.build.mask_form,
-            "formats": dict(sorted(formats.items())), "embeddings": m.embeddings.format,
-            "residual_scale": (None if m.residual_scale is None
-                               else m.residual_scale.model_dump()),
-            "packages": packages}
-
-
-def format_build(d: dict[str, Any]) -> str:
-    lines = [f"{d['path']}  (build '{d['name']}' of {d['source']})",
-             f"  weights {d['weights']}, floor {d['min_weight_cosine']}: "
-             + (", ".join(f"{f} x{n}" for f, n in d["formats"].items())
-                or "no per-tensor record (built before per-tensor formats)")
-             + f"; host embeddings {d['embeddings']}; mask form {d['mask_form']}"]
-    lines += ["  " + line for line in _residual_lines(d.get("residual_scale"))]
-    for path, p in d["packages"].items():
-        lines.append(f"  {path} ({p['bytes'] / 2**20:,.1f} MiB)")
-        for name, t in p["tensors"].items():
-            lines.append(f"    {name:<32} {t['format']:<13} cos {t['cosine']:.6f}  "
-                         f"{t['reason']}")
-    return "\n".join(lines)
-
-
-def _residual_lines(recorded: dict[str, Any] | None) -> list[str]:
-    # The wording is shared with build and doctor (manifests/residual_report.py);
-    # `inspect` of a build reads them through it, as describe_build reads the manifest.
-    from ane_spec.manifests.schema import ResidualScale
-    from ane_spec.manifests.residual_report import describe
-
-    return describe(None if recorded is None else ResidualScale.model_validate(recorded))

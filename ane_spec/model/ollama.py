@@ -11,7 +11,12 @@ can be `..` or hold a '/': a name never reaches outside the store. Ollama matche
 regard to case; so does this lookup when the exact spelling is not on disk.
 
 The blob is not re-hashed (Ollama verified it when it pulled it; a multi-GB hash per build
-would be slow); its size is checked against the manifest's.
+would be slow); its size is checked against the manifest's, which must be a JSON integer.
+
+The store is read as hostile (issue 36): a manifest or blob is used only if it is a regular
+file whose resolved location lies inside the store (a blob linked to /etc/passwd was opened
+and read, manifests linked to files outside were parsed); a manifest is opened without following
+a link and without blocking (a FIFO), and read up to MAX_MANIFEST_BYTES + 1 bytes.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +35,7 @@ MODEL_MEDIA_TYPE = "application/vnd.ollama.image.model"
 DEFAULT_HOST, DEFAULT_NAMESPACE, DEFAULT_TAG = "registry.ollama.ai", "library", "latest"
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_LISTED = 20
-_DIGEST = re.compile(r"^sha256[:-]([0-9a-f]{64})$")
+_DIGEST = re.compile(r"sha256[:-]([0-9a-f]{64})\Z")  # \Z: `$` also matches before a final \n
 
 
 class OllamaError(AneSpecError):
@@ -122,28 +128,51 @@ def resolve_ollama(ref: str, models_dir: str | os.PathLike[str] | None = None) -
                    ) if have else "none"
         raise OllamaError(f"Ollama has no model {name.short()} in {root} (`ollama pull "
                           f"{name.short()}` fetches it); models there: {listing}")
-    layer = _model_layer(manifest, name)
+    layer = _model_layer(root, manifest, name)
     digest = _DIGEST.match(layer["digest"]) if isinstance(layer.get("digest"), str) else None
     if digest is None:
         raise OllamaError(f"{manifest}: the model layer's digest "
                           f"{untrusted(layer.get('digest'))} is not sha256:<64 hex digits>")
     blob = root / "blobs" / f"sha256-{digest.group(1)}"
-    if not blob.is_file():
+    if not os.path.lexists(blob):
         raise OllamaError(f"{name.short()}: its manifest names blob {blob.name}, which is not "
                           f"in {root / 'blobs'} (an interrupted pull? `ollama pull "
                           f"{name.short()}` again)")
+    info = _in_store(root, blob, "blob")
     size = layer.get("size")
-    if isinstance(size, int) and not isinstance(size, bool) and blob.stat().st_size != size:
-        raise OllamaError(f"{blob}: {blob.stat().st_size:,} bytes, but the manifest of "
+    if not isinstance(size, int) or isinstance(size, bool):
+        raise OllamaError(f"{manifest}: the model layer's size {untrusted(size)} is not an "
+                          "integer")
+    if info.st_size != size:
+        raise OllamaError(f"{blob}: {info.st_size:,} bytes, but the manifest of "
                           f"{name.short()} says {size:,} (an interrupted pull?)")
     return blob
+
+
+def _in_store(root: Path, path: Path, what: str) -> os.stat_result:
+    """`path`'s stat, if it is a regular file whose resolved location is inside the store;
+    else OllamaError."""
+    try:
+        where = path.resolve(strict=True)
+        home = root.resolve(strict=True)
+        info = os.stat(where)
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
+        raise OllamaError(f"{path}: cannot read the {what}: "
+                          f"{getattr(exc, 'strerror', None) or exc}") from None
+    if not where.is_relative_to(home):
+        raise OllamaError(f"{path}: the {what} is a link to {where}, outside the Ollama store "
+                          f"{home}; refused")
+    if not stat.S_ISREG(info.st_mode):
+        raise OllamaError(f"{path}: the {what} is not a regular file (a folder, FIFO or "
+                          "device); refused")
+    return info
 
 
 def _find_manifest(manifests: Path, name: OllamaName) -> Path | None:
     """The manifest file for `name`: the exact spelling, else a case-insensitive match, one
     folder level at a time (names are validated, so no level can leave `manifests`)."""
     exact = manifests.joinpath(*name.parts())
-    if exact.is_file():
+    if os.path.lexists(exact):  # (whatever it is: `_model_layer` refuses it if it must)
         return exact
     here = manifests
     for i, part in enumerate(name.parts()):
@@ -152,16 +181,21 @@ def _find_manifest(manifests: Path, name: OllamaName) -> Path | None:
         except OSError:
             return None
         want_file = i == 3
-        matches = [p for p in matches if (p.is_file() if want_file else p.is_dir())]
+        matches = [p for p in matches if (os.path.lexists(p) if want_file else p.is_dir())]
         if len(matches) != 1:
             return None
         here = matches[0]
     return here
 
 
-def _model_layer(manifest: Path, name: OllamaName) -> dict:
-    try:
-        with open(manifest, "rb") as f:
+def _model_layer(root: Path, manifest: Path, name: OllamaName) -> dict:
+    _in_store(root, manifest, "manifest")
+    try:  # the resolved path, without following a link swapped in since, nor blocking
+        fd = os.open(manifest.resolve(), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise OllamaError(f"{manifest}: the manifest is not a regular file; refused")
+            os.set_blocking(f.fileno(), True)
             raw = f.read(MAX_MANIFEST_BYTES + 1)
     except OSError as exc:
         raise OllamaError(f"{manifest}: cannot read the manifest: {exc.strerror or exc}") from None

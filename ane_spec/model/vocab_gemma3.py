@@ -46,14 +46,14 @@ from collections import Counter
 from ane_spec.errors import TokenizerError
 from ane_spec.model.chat_templates import GEMMA3_CHAT_TEMPLATE
 from ane_spec.model.spm import ESCAPED_SPACE
-from ane_spec.model.tokenizer import (
+from ane_spec.model.token_types import (
     TOKEN_BYTE,
     TOKEN_CONTROL,
     TOKEN_NORMAL,
     TOKEN_UNUSED,
     TOKEN_USER_DEFINED,
-    TokenizerData,
 )
+from ane_spec.model.tokenizer_data import TokenizerData
 
 HEAD_CONTROL = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>")
 START_OF_TURN_ID, END_OF_TURN_ID = 105, 106

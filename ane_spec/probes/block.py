@@ -6,6 +6,12 @@ the gate reports per-token cosine and the largest state difference. It catches g
 only show for T > 1 (the attention output flattened as [head, token, dim], a wrong write mask),
 which T=1 decoding never exercises.
 
+A build with a prefill function (P rows) gets the same check at its shape: on every shard, one
+P-row pass of the prefill function against the same P rows in P/4 decode-program passes of 4, from
+equal states (`prefill_*` figures, and whether every row and state came out bitwise equal: on a
+backend row-invariant across shapes they do). A graph bug of the prefill program alone (it is
+built separately, at a fixed T) shows here shard by shard.
+
 Thresholds: fp32 backend precision, per-token cosine >= 0.99999 and states equal to 1e-5 of their
 scale (only summation order differs). fp16 emulation: cosine >= 0.999 and states within 1e-2 of
 their scale (an fp16 ulp is ~1e-3; the figures are what matters).
@@ -20,6 +26,7 @@ import numpy as np
 from ane_spec.probes.parity import cosine_rows, gate_prompts
 from ane_spec.probes.report import GateReport
 from ane_spec.runtime.backend import LoadedProgram
+from ane_spec.runtime.hidden_layout import token_axis
 from ane_spec.runtime.host_inputs import HostInputs
 from ane_spec.runtime.pipeline import ShardPipeline
 
@@ -35,6 +42,9 @@ def block_thresholds(precision: str | None) -> dict[str, float]:
 def run_block(pipeline: ShardPipeline, prefix_length: int = 9, seed: int = 1) -> GateReport:
     m = pipeline.manifest
     backend, precision = pipeline.backend.name, pipeline.backend.precision
+    # The prefill check first: its decode passes are T=4, so the decode programs change shape
+    # once per shard (T=4 -> T=1 below), which under Infrequent may cost a re-specialisation.
+    prefill = _prefill_vs_blocks(pipeline, prefix_length, seed) if pipeline.prefill_t else None
     prefix, block = gate_prompts(m.model.vocab_size, m.build.max_seq,
                                  [prefix_length, BLOCK], seed=seed)
     states = [pipeline.new_state(), pipeline.new_state()]
@@ -58,8 +68,48 @@ def run_block(pipeline: ShardPipeline, prefix_length: int = 9, seed: int = 1) ->
     passed = worst_cos >= thresholds["min_cosine"] and worst_state <= thresholds["state_rel_diff"]
     figures = {"min_cosine": worst_cos, "state_rel_diff": worst_state,
                "states_match": worst_state <= thresholds["state_rel_diff"]}
-    return GateReport("block", passed, backend, precision, figures, thresholds,
-                      {"position": position, "shards": shards})
+    details = {"position": position, "shards": shards}
+    if prefill is not None:
+        figures |= {k: v for k, v in prefill.items() if k != "shards"}
+        details["prefill"] = prefill["shards"]
+        passed = (passed and prefill["prefill_min_cosine"] >= thresholds["min_cosine"]
+                  and prefill["prefill_state_rel_diff"] <= thresholds["state_rel_diff"])
+    return GateReport("block", passed, backend, precision, figures, thresholds, details)
+
+
+def _prefill_vs_blocks(pipeline: ShardPipeline, prefix_length: int, seed: int) -> dict:
+    """Every shard: one prefill-function pass of P rows against the same rows in decode passes
+    of BLOCK, from equal states holding the same prefix (as long as P still fits after it)."""
+    m, p = pipeline.manifest, pipeline.prefill_t
+    prefix_length = min(prefix_length, m.build.max_seq - p)
+    prefix, chunk = gate_prompts(m.model.vocab_size, m.build.max_seq, [prefix_length, p],
+                                 seed=seed + 1, reserve=0)
+    states = [pipeline.new_state(), pipeline.new_state()]
+    for st in states:
+        for start in range(0, len(prefix), BLOCK):
+            pipeline.run(prefix[start:start + BLOCK], start, st)
+    position = len(prefix)
+    hidden = pipeline.to_hidden(pipeline.embeddings.lookup(chunk))
+    shards, worst_cos, worst_state, identical = [], 1.0, 0.0, True
+    for n, entry in enumerate(m.shards):
+        one, blocks = states[0].shard_states[n], states[1].shard_states[n]
+        out = pipeline.prefill_shards[n].predict(
+            {"x": hidden, **pipeline.host.block(position, p, p)}, one)["hidden"]
+        parts = [pipeline.shards[n].predict(
+            {"x": np.take(hidden, range(i, i + BLOCK), axis=token_axis(pipeline.layout)),
+             **pipeline.host.block(position + i, BLOCK)}, blocks)["hidden"]
+            for i in range(0, p, BLOCK)]
+        as_blocks = np.concatenate(parts, axis=token_axis(pipeline.layout))
+        cos = cosine_rows(pipeline.from_hidden(out), pipeline.from_hidden(as_blocks))
+        diff, same = _state_diff(pipeline.shards[n], one, blocks)
+        same = same and np.array_equal(out, as_blocks)
+        worst_cos, worst_state = min(worst_cos, float(cos.min())), max(worst_state, diff)
+        identical = identical and same
+        shards.append({"layers": list(entry.layers), "min_token_cosine": float(cos.min()),
+                       "state_rel_diff": diff, "identical": bool(same)})
+        hidden = out
+    return {"prefill_min_cosine": worst_cos, "prefill_state_rel_diff": worst_state,
+            "prefill_identical": identical, "shards": shards}
 
 
 def block_vs_sequential(program: LoadedProgram, host: HostInputs, layout: str,
@@ -77,8 +127,15 @@ def block_vs_sequential(program: LoadedProgram, host: HostInputs, layout: str,
         rows.append(program.predict({"x": row, **host.block(position + i, 1)}, row_state)["hidden"])
     as_rows = (lambda x: x[0, :, :, 0].T) if layout == "BCT1" else (lambda x: x[0, :, 0, :].T)
     cos = cosine_rows(as_rows(out), np.concatenate([as_rows(r) for r in rows], axis=0))
-    worst = 0.0
+    return cos, _state_diff(program, block_state, row_state)[0], out
+
+
+def _state_diff(program: LoadedProgram, a: Any, b: Any) -> tuple[float, bool]:
+    """The largest state difference relative to the state's scale, and whether every state
+    tensor is equal value for value."""
+    worst, equal = 0.0, True
     for name in program.state_names:
-        x, y = program.read_state(block_state, name), program.read_state(row_state, name)
+        x, y = program.read_state(a, name), program.read_state(b, name)
         worst = max(worst, float(np.abs(x - y).max()) / max(float(np.abs(x).max()), 1e-12))
-    return cos, worst, out
+        equal = equal and bool(np.array_equal(x, y))
+    return worst, equal

@@ -101,6 +101,9 @@ class DoctorRun:
     pipelines: dict[str, Any] = field(default_factory=dict)
     measurements: dict[str, Any] = field(default_factory=dict)
     synthetic_packages: dict[str, tuple] = field(default_factory=dict)
+    strict: bool = False  # --strict: residency wants every planned op on the ANE
+    draft: str | None = None          # --draft-model, as a build folder
+    draft_units: str | None = None    # --draft-units
 
     @property
     def reshape_frequency(self) -> str:
@@ -175,6 +178,15 @@ class DoctorRun:
 
 # --- environment ---------------------------------------------------------------------------
 
+def native_bridge() -> str:
+    """"loaded", or "not loaded (<why>)": coremltools' native module, libcoremlpython."""
+    try:
+        from coremltools import libcoremlpython  # noqa: F401
+    except ImportError as exc:
+        return f"not loaded ({exc})"
+    return "loaded"
+
+
 def check_environment(run: DoctorRun) -> Verdict:
     import coremltools
 
@@ -186,9 +198,13 @@ def check_environment(run: DoctorRun) -> Verdict:
              "core_ml": run.coreml_problem or "available",
              "decode_shape": run.decode_shape, "reshape_frequency": run.reshape_frequency,
              "compiled_cache": str(compiled_dir())}
-    summary = (f"{facts['os']}, {facts['chip']}, Python {facts['python']}, coremltools "
-               f"{facts['coremltools']}; decode shape {run.decode_shape} -> reshapeFrequency "
-               f"{run.reshape_frequency}")
+    bridge = native_bridge()
+    facts["native_bridge"] = bridge
+    # First: the Python and whether Core ML's native bridge loaded (coremltools 9.0 has macOS
+    # wheels for 3.10-3.13 only; elsewhere its sdist installs without it, and Core ML is gone).
+    summary = (f"Python {facts['python']}, Core ML native bridge {bridge}; {facts['os']}, "
+               f"{facts['chip']}, coremltools {facts['coremltools']}; decode shape "
+               f"{run.decode_shape} -> reshapeFrequency {run.reshape_frequency}")
     if run.reshape_frequency == "Frequent":
         facts["expected_placement"] = MIXED_SHAPE_NOTE
         summary += " (expected off the ANE; the decode-shape check measures it)"
@@ -243,7 +259,7 @@ def check_ane_lint(run: DoctorRun) -> Verdict:
     from ane_spec.probes.residency import INFORMATIONAL_LINT, ane_lint
 
     packages = _packages_or_synthetic(run)
-    warnings = [{"package": label, "code": w.code, "message": w.message}
+    warnings = [{"package": label, "function": w.function, "code": w.code, "message": w.message}
                 for label, path, _ in packages for w in ane_lint(path)]
     notes = sorted({w["code"] for w in warnings if w["code"] in INFORMATIONAL_LINT})
     failing = [w for w in warnings if w["code"] not in INFORMATIONAL_LINT]
@@ -297,38 +313,44 @@ def synthetic_on_coreml(dims: str) -> CheckFn:
 @core_ml_check
 def check_mask_ops(run: DoctorRun) -> Verdict:
     """equal(NaN, NaN) false, select picks, greater_equal marks, clip(+-inf) saturates, on the
-    device, and where the compute plan puts each: which `--mask-form` this Mac should use
-    (probes/mask_ops.py). A wrong op fails the check; placement only steers the advice."""
+    device, and where a build shard's compute plan puts each: which `--mask-form` this Mac
+    should use (probes/mask_ops.py). A wrong op fails the check; placement only steers the
+    advice, and only a build's plan gives it: a small standalone program is placed on the CPU
+    whatever its ops, so without --manifest the check reports the op results alone."""
     run.need_coreml()
-    import coremltools as ct
-
     from ane_spec.probes import mask_ops
     from ane_spec.probes.residency import residency_report
-    from ane_spec.runtime.coreml_backend import compile_package, hardware_problem
+    from ane_spec.runtime.backend import make_backend
+    from ane_spec.runtime.coreml_backend import hardware_problem
 
     path = mask_ops.build_probe(run.work / "mask-ops.mlpackage")
     inputs = mask_ops.probe_inputs()
-    model = ct.models.CompiledMLModel(str(compile_package(path)), ct.ComputeUnit.CPU_AND_NE)
-    results, clip_nan = mask_ops.judge(model.predict(inputs), inputs)
-    del model
-    where = mask_ops.placements(residency_report(path, "CPU_AND_NE"))
-    source = dict.fromkeys(where, "probe program")
-    if run.build is not None:  # the build's own plan says where its ops go: it takes precedence
+    # Through the backend, as the pipeline runs programs: in the Core ML worker, every input
+    # a fresh float32 array the feed ring keeps alive past the call (the bridge's input-
+    # lifetime rule, coreml_backend.FeedRing), not fp16 arrays that die with the call.
+    backend = make_backend("coreml", compute_units="CPU_AND_NE")
+    try:
+        results, clip_nan = mask_ops.judge(backend.load(path).predict(inputs), inputs)
+    finally:
+        backend.close()
+    where: dict[str, str] = {}
+    source: dict[str, str] = {}
+    if run.build is not None:  # the build's own plan says where its ops go
         from ane_spec.shards.static_checks import read_package_facts
 
         label, shard, sha = run.packages()[0]
         run.progress(f"compute plan of {label} (mask ops)")
-        planned = mask_ops.placements(residency_report(shard, "CPU_AND_NE", sha256=sha),
-                                      set(read_package_facts(shard).ops))
-        where |= planned
-        source |= dict.fromkeys(planned, label)
-    form, reason = mask_ops.recommend(results, where)
+        where = mask_ops.placements(residency_report(shard, "CPU_AND_NE", sha256=sha),
+                                    set(read_package_facts(shard).ops))
+        source = dict.fromkeys(where, label)
+    form, reason = mask_ops.recommend(results, where, built=run.build is not None)
     details = mask_ops.to_details(results, clip_nan, where, source, form, reason)
     if hardware_problem():  # results computed, and any placement given, by a stand-in
         details["stand_in"] = hardware_problem()
     wrong = [f"{op} ({r.example})" for op, r in results.items() if not r.right]
     placed = (", ".join(f"{op} {d}" for op, d in where.items())
-              + f" (plan of the {' and '.join(sorted(set(source.values())))})")
+              + f" (plan of {' and '.join(sorted(set(source.values())))})" if where else
+              "placement needs --manifest (a build shard's compute plan)")
     advice = f"use --mask-form {form}" if form else "no mask-form advice"
     head = ("wrong: " + "; ".join(wrong) if wrong else
             "equal(NaN,NaN) false, select picks, greater_equal marks, clip(+-inf) saturates")
@@ -342,21 +364,26 @@ def check_mask_ops(run: DoctorRun) -> Verdict:
 @core_ml_check
 def check_residency(run: DoctorRun) -> Verdict:
     run.need_build_on_coreml()
-    from ane_spec.probes.residency import residency_report
+    from ane_spec.probes.residency import residency_reports
 
-    per_package = {}
-    for label, path, sha in run.packages():
+    per_package = {}  # "shard 0-1", "shard 0-1 prefill", ..., "head": one per function
+    packages = run.packages()
+    for label, path, sha in packages:
         run.progress(f"compute plan of {label}")
-        per_package[label] = residency_report(path, "CPU_AND_NE", sha256=sha)
+        for r in residency_reports(path, "CPU_AND_NE", sha256=sha, strict=run.strict):
+            per_package[label if r.function == "main" else f"{label} {r.function}"] = r
     undetermined = next((r.undetermined for r in per_package.values() if r.undetermined), None)
     if undetermined:  # the plan loaded and its structure was read; placement is unknown
         ops = sum(r.conv_total + sum(r.unplanned.values()) for r in per_package.values())
-        raise Skip(f"{undetermined}; structure only: {ops} op(s) in {len(per_package)} "
-                   "package(s) read, placement unknown")
+        raise Skip(f"{undetermined}; structure only: {ops} op(s) of {len(per_package)} "
+                   f"function(s) in {len(packages)} package(s) read, placement unknown")
     failed = [label for label, r in per_package.items() if not r.passed]
-    planned_t = run.loaded.manifest.build.default_t
-    summary = f"planned at T={planned_t} (the RangeDim default); " + "; ".join(
-        f"{label}: {_residency_line(r)}" for label, r in per_package.items())
+    build = run.loaded.manifest.build
+    planned_t = build.default_t
+    summary = f"planned at T={planned_t} (the RangeDim default)" + (
+        f", the prefill function at its fixed T={build.prefill_t}" if build.prefill_t else "")
+    summary += "; " + "; ".join(f"{label}: {_residency_line(r)}"
+                                for label, r in per_package.items())
     uncovered = [t for t in DecodeShapePolicy(run.decode_shape).jit_widths if t != planned_t]
     if uncovered:  # mixed: its T=1 passes run at a shape the plan never saw
         summary += (f"; T={'/'.join(map(str, uncovered))} passes ({run.decode_shape} decode "
@@ -367,44 +394,88 @@ def check_residency(run: DoctorRun) -> Verdict:
             f"{label}: {'/'.join(sorted(set(d)))}" for label, d in argmax.items())
     return Verdict("failed" if failed else "passed", summary,
                    {label: r.to_dict() for label, r in per_package.items()}
-                   | {"planned_t": planned_t})
+                   | {"planned_t": planned_t, "planned_prefill_t": build.prefill_t})
 
 
 @core_ml_check
 def check_cold_jit(run: DoctorRun) -> Verdict:
-    """Seconds of the first prediction of each package at T=4 (and T=1 in the mixed shape): Core
-    ML specialises a program once per process and input shape, before its first result."""
+    """Seconds of the first prediction of each package at T=4 (and T=1 in the mixed shape), and
+    of each layer package's prefill function at T=P: Core ML specialises a program once per
+    process and input shape, before its first result."""
     run.need_build_on_coreml()
     run.need_hardware()
     t0 = time.perf_counter()
     pipeline = run.pipeline("CPU_AND_NE")
     load_s = time.perf_counter() - t0
-    labels = [label for label, _, _ in run.packages()]
-    first: dict[str, dict[str, float]] = {label: {} for label in labels}
-    for width in pipeline.shape.jit_widths:
-        state = pipeline.new_state()
-        inputs = pipeline.host.block(0, width)
-        hidden = jit_rows(pipeline, width)
-        for n, label in enumerate(labels):
-            run.progress(f"first T={width} prediction of {label}")
-            t = time.perf_counter()
-            if n >= len(pipeline.shards):  # one of the head's packages
-                pipeline.heads[n - len(pipeline.shards)].predict({"x": hidden})
-            else:
-                hidden = pipeline.run_shards(hidden, inputs, state, range(n, n + 1))
-            first[label][f"T={width}"] = round(time.perf_counter() - t, 2)
+    first = first_predictions(run, pipeline)
     total = sum(v for times in first.values() for v in times.values())
     per_package = ", ".join(f"{label} " + "/".join(f"{k} {v:.1f}s" for k, v in times.items())
                             for label, times in first.items())
     return Verdict("passed", f"load {load_s:.1f}s; first predictions {total:.1f}s in all: "
                    f"{per_package}", {"backend": pipeline.backend.describe(),
-                                      "load_s": round(load_s, 3), "first_prediction_s": first})
+                                      "load_s": round(load_s, 3), "first_prediction_s": first,
+                                      "jit_s": jit_by_function(first)})
+
+
+def first_predictions(run: DoctorRun, pipeline) -> dict[str, dict[str, float]]:
+    """Seconds of each package's first prediction at each shape it runs (`T=4`, and `T=1` in
+    the mixed shape; a layer package's prefill function at `prefill T=P`), by package label:
+    the first predictions only where nothing ran the pipeline before. Kept in
+    `run.measurements` for the prefill check."""
+    labels = [label for label, _, _ in run.packages()]
+    shards = len(pipeline.shards)
+    first: dict[str, dict[str, float]] = {label: {} for label in labels}
+
+    def timed(label: str, shape: str, predict: Callable[[], Any]) -> Any:
+        run.progress(f"first {shape} prediction of {label}")
+        t = time.perf_counter()
+        out = predict()
+        first[label][shape] = round(time.perf_counter() - t, 2)
+        return out
+
+    for width in pipeline.shape.jit_widths:
+        state = pipeline.new_state()
+        inputs = pipeline.host.block(0, width)
+        hidden = jit_rows(pipeline, width)
+        for n, label in enumerate(labels):
+            if n >= shards:  # one of the head's packages
+                timed(label, f"T={width}", lambda n=n: pipeline.heads[n - shards].predict(
+                    {"x": hidden}))
+            else:
+                hidden = timed(label, f"T={width}", lambda n=n: pipeline.run_shards(
+                    hidden, inputs, state, range(n, n + 1)))
+    if pipeline.prefill_t:
+        state = pipeline.new_state()
+        hidden, inputs = pipeline.prefill_inputs(jit_tokens(pipeline, pipeline.prefill_t), 0,
+                                                 state)
+        for n, label in enumerate(labels[:shards]):
+            hidden = timed(label, f"prefill T={pipeline.prefill_t}", lambda n=n: (
+                pipeline.run_shards(hidden, inputs, state, range(n, n + 1), prefill=True)))
+    run.measurements["first_prediction_s"] = first
+    return first
+
+
+def jit_by_function(first: dict[str, dict[str, float]]) -> dict[str, float]:
+    """`first_predictions` summed by function and shape, as the daemon's warm-up reports them:
+    {"decode T=4": shards and head, "prefill T=64": shards}."""
+    found: dict[str, float] = {}
+    for times in first.values():
+        for shape, seconds in times.items():
+            key = shape if shape.startswith("prefill") else f"decode {shape}"
+            found[key] = round(found.get(key, 0.0) + seconds, 2)
+    return found
+
+
+def jit_tokens(pipeline, n: int) -> list[int]:
+    """n token ids from 1 up, wrapping inside the vocabulary."""
+    vocab = pipeline.config.vocab_size
+    return [1 + i % (vocab - 1) for i in range(n)]
 
 
 def jit_rows(pipeline, width: int):
     """The first prediction's input: token embeddings, never all-zero rows (an fp16 rms_eps of
     1e-5 is subnormal; flushed to zero on the ANE, a zero row normalises to NaN)."""
-    return pipeline.to_hidden(pipeline.embeddings.lookup(list(range(1, width + 1))))
+    return pipeline.to_hidden(pipeline.embeddings.lookup(jit_tokens(pipeline, width)))
 
 
 @core_ml_check
@@ -419,6 +490,64 @@ def check_warm_latency(run: DoctorRun) -> Verdict:
     return Verdict("passed", f"CPU_AND_NE: T=1 {figures['t1_ms']:.1f} ms, T=4 "
                    f"{figures['t4_ms']:.1f} ms per pass",
                    figures | {"backend": pipeline.backend.describe()})
+
+
+# What only a Mac's Neural Engine can say about a prefill function.
+PREFILL_MAC_ONLY = ("only a Mac's Neural Engine tells the real c(P)/c(4), prefill tok/s and "
+                    "each function's JIT cost, and (the residency check) whether the prefill "
+                    "function's ops run on the ANE at all")
+
+
+@core_ml_check
+def check_prefill(run: DoctorRun) -> Verdict:
+    """A build with a prefill function: what a P-row pass costs against a decode pass (c(P)/c(4),
+    decode/prefill_plan.measure, as --prefill auto decides by), the prompt tokens a second it
+    gives, and the first pass (JIT) of each function, from cold-jit on a Mac or timed here on a
+    fresh load. On Core ML proper, a full prefill chunk that costs more than the P/4 decode
+    passes it replaces fails (the prefill function may be off the ANE); elsewhere (the fp16
+    interpreter, or a stand-in for Core ML's native layer) the figures are not the device's and
+    the check says so, and what only a Mac can tell."""
+    build = run.loaded.manifest.build
+    if not build.prefill_t:
+        raise Skip("this build has no prefill function (built with --prefill-t 0, or before "
+                   "it existed): prompts run at the decode shape")
+    from ane_spec.decode.prefill_plan import measure
+    from ane_spec.runtime.coreml_backend import hardware_problem
+
+    fresh = ("mil-fp16" if run.coreml_problem else "CPU_AND_NE") not in run.pipelines
+    pipeline = run.pipeline()
+    first = run.measurements.get("first_prediction_s")
+    if first is None and fresh:
+        first = first_predictions(run, pipeline)
+    jit = None if first is None else jit_by_function(first)
+    run.progress(f"timing decode and prefill T={build.prefill_t} passes")
+    costs = measure(pipeline)
+    figures = costs.to_dict()
+    full = costs.pays(costs.prefill_t, last=False)
+    decode_tok_s = round(costs.decode_t / costs.decode_seconds, 1) if costs.decode_seconds else 0
+    summary = (f"prefill T={costs.prefill_t}: c(P)/c({costs.decode_t}) {costs.ratio:.2f} "
+               f"(decode pass {figures['decode_ms']:.1f} ms, prefill pass "
+               f"{figures['prefill_ms']:.1f} ms, with the head on one row "
+               f"{figures['prefill_head_ms']:.1f} ms); {figures['prefill_tok_s']:.0f} prompt "
+               f"tok/s through the prefill function, {decode_tok_s:.0f} at the decode shape; "
+               f"a full chunk {'pays' if full else 'does not pay'}; first passes (JIT): "
+               + (", ".join(f"{k} {v:.2f}s" for k, v in jit.items()) if jit else
+                  "not measured (the build was already loaded and run)"))
+    details = figures | {"decode_tok_s": decode_tok_s, "full_chunk_pays": full,
+                         "jit_s": jit, "backend": pipeline.backend.describe()}
+    elsewhere = (f"the fp16 MIL interpreter ({run.coreml_problem})" if run.coreml_problem
+                 else f"{pipeline.backend.describe()}, whose native layer is not the device's "
+                 f"({hardware_problem()})" if hardware_problem() else None)
+    if elsewhere is not None:
+        details["not_the_device"] = elsewhere
+        return Verdict("passed", f"{summary} [timed on {elsewhere}: not the device's figures; "
+                       f"{PREFILL_MAC_ONLY}]", details)
+    if not full:
+        return Verdict("failed", f"{summary}: a {costs.prefill_t}-row pass costs more than the "
+                       f"{costs.prefill_t // costs.decode_t} decode passes it replaces, so "
+                       "--prefill auto never uses it (its ops may run off the ANE: see "
+                       "residency; rebuild with --prefill-t 0 or a smaller P)", details)
+    return Verdict("passed", summary, details)
 
 
 @core_ml_check
@@ -684,6 +813,55 @@ def check_peak_memory(run: DoctorRun) -> Verdict:
                    {"peak_rss_gb": round(peak / 1e9, 3), "informational": True})
 
 
+@core_ml_check
+def check_state_reads(run: DoctorRun) -> Verdict:
+    """Reading a K/V state leaves nothing behind: one layer's K state of one conversation read
+    1,000 times through the slot-capture path (probes/state_reads.py), the Core ML worker's
+    current RSS watched. Without the autorelease pool around each read (runtime/autorelease.py)
+    what Core ML autoreleases there would pile up in the worker, one object per read."""
+    run.need_build_on_coreml()
+    from ane_spec.probes.state_reads import measure_state_reads
+    from ane_spec.runtime.coreml_backend import hardware_problem
+
+    result = measure_state_reads(run.pipeline())
+    details = result.to_dict()
+    summary = result.summary()
+    if hardware_problem():  # the RSS is real; what Core ML autoreleases is the stand-in's model
+        details["standin"] = hardware_problem()
+        summary += " (Core ML's native layer is a stand-in)"
+    return Verdict("failed" if result.leaks else "passed", summary, details)
+
+
+@core_ml_check
+def check_draft_costs(run: DoctorRun) -> Verdict:
+    """What the draft model costs beside the target on this device (issue 34): a target pass
+    (c_verify), a draft pass on `--draft-units` (c_draft), and how much of the draft's passes
+    hide behind a target pass when both run at once, with the draft in its own process, as
+    `serve --draft-model` measures them at warm-up to set its p_min (decode/draft_setup.py
+    `measure_draft_costs`). Informational: these figures decide the policy, not a pass/fail."""
+    run.need_build_on_coreml()
+    if run.draft is None:
+        raise Skip("needs --draft-model (a draft of the build's vocabulary)")
+    from ane_spec.decode.draft_setup import close_drafter, open_drafter
+    from ane_spec.runtime.coreml_backend import hardware_problem
+
+    units = run.draft_units or "ane"
+    run.progress(f"measuring the draft model on {units} beside the build")
+    drafter = open_drafter(run.pipeline(), run.draft, units=units, mode="model")  # type: ignore[arg-type]
+    try:
+        costs = drafter.costs.to_dict()
+    finally:
+        close_drafter(drafter)
+    overlap = "not measured" if costs["overlap"] is None else f"{costs['overlap']:.0%}"
+    summary = (f"informational: a target pass {costs['verify_ms']:,.1f} ms, a draft pass "
+               f"{costs['draft_ms']:,.1f} ms on {units} (c_draft / c_verify "
+               f"{costs['ratio']:.3f}); {overlap} of the draft's passes hidden behind a target "
+               f"pass")
+    if hardware_problem():
+        summary += " (Core ML's native layer is a stand-in: not this device's times)"
+    return Verdict("passed", summary, costs | {"draft_units": units, "informational": True})
+
+
 def check_kv_slots(run: DoctorRun) -> Verdict:
     """How many conversations' K/V states `serve` can keep resident: counted against the ~3 GB
     per-process ANE budget the seed log hit, and against host memory."""
@@ -716,6 +894,7 @@ CHECKS: list[tuple[str, CheckFn]] = [
     ("residency", check_residency),
     ("cold-jit", check_cold_jit),  # the first predictions with the build's shards: keep first
     ("warm-latency", check_warm_latency),
+    ("prefill", check_prefill),  # after cold-jit: it reads the first predictions it timed
     ("row-invariance", check_row_invariance),
     ("overflow", check_overflow),
     ("block", check_block),
@@ -723,6 +902,8 @@ CHECKS: list[tuple[str, CheckFn]] = [
     ("parity", check_parity),
     ("argmax-head", check_argmax_head),
     ("peak-memory", check_peak_memory),
+    ("state-reads", check_state_reads),  # after peak-memory: that peak is the build's alone
+    ("draft-costs", check_draft_costs),
     ("kv-slots", check_kv_slots),
     ("activation-range", check_activation_range),
     ("ane-vs-cpu", check_ane_vs_cpu),  # loads a CPU_ONLY copy: after peak-memory
@@ -733,8 +914,12 @@ CHECKS: list[tuple[str, CheckFn]] = [
 def run_doctor(manifest: str | Path | None = None, *, decode_shape: str = "fixed",
                gguf: str | None = None, progress: Callable[[str], None] = lambda msg: None,
                checks: list[tuple[str, CheckFn]] | None = None,
-               on_check: Callable[[list[Check]], None] = lambda done: None) -> list[Check]:
-    """Run the checks in order; after each, `on_check(results so far)`."""
+               on_check: Callable[[list[Check]], None] = lambda done: None,
+               strict: bool = False, draft: str | None = None,
+               draft_units: str | None = None) -> list[Check]:
+    """Run the checks in order; after each, `on_check(results so far)`. `strict`: the
+    residency check wants every planned op on the ANE (residency.ResidencyReport.passed).
+    `draft`, `draft_units`: a draft model's build folder for the draft-costs check."""
     from ane_spec.probes.doctor_worker import CheckWorker, WorkerSpec
 
     check_decode_shape(decode_shape)
@@ -743,9 +928,11 @@ def run_doctor(manifest: str | Path | None = None, *, decode_shape: str = "fixed
     checks = checks or CHECKS
     results: list[Check] = []
     with tempfile.TemporaryDirectory(prefix="ane-spec-doctor-") as work:
-        run = DoctorRun(build, Path(work), decode_shape, gguf, progress)
+        run = DoctorRun(build, Path(work), decode_shape, gguf, progress, strict=strict,
+                        draft=draft, draft_units=draft_units)
         worker = CheckWorker(WorkerSpec(None if manifest is None else str(manifest),
-                                        decode_shape, gguf, work), checks, progress)
+                                        decode_shape, gguf, work, strict, draft, draft_units),
+                             checks, progress)
         try:
             for index, (name, check) in enumerate(checks):
                 progress(f"{name} ...")
@@ -806,9 +993,25 @@ def _from_gate(report: GateReport) -> Verdict:
 
 
 def _residency_line(r) -> str:
+    if r.not_in_plan:
+        return r.not_in_plan
     unplanned = sum(r.unplanned.values())
-    return (f"{r.compute_total - r.compute_non_ane}/{r.compute_total} planned ops on the ANE, "
-            f"convs off the ANE {r.conv_non_ane}/{r.conv_total}, unplanned {unplanned}")
+    share = r.ane_cost_share
+    line = (f"{r.compute_total - r.compute_non_ane}/{r.compute_total} planned ops on the ANE, "
+            f"convs off the ANE {r.conv_non_ane}/{r.conv_total}, unplanned {unplanned}, "
+            + (f"{share:.1%} of the estimated cost on the ANE" if share is not None
+               else "no cost estimates")
+            + (" (strict: every op)" if r.strict else
+               f" (gate: every conv and {r.min_ane_cost_share:.0%} of the cost)"))
+    if r.non_ane_ops:  # each op off the ANE, with its cost: what a reader needs to judge it
+        def device(name: str) -> str:
+            return name.removeprefix("ML").removesuffix("ComputeDevice")
+
+        line += "; off the ANE: " + ", ".join(
+            f"{o['op']} '{o['output']}' on {device(o['device'])}"
+            f" (cost {'?' if o['cost'] is None else format(o['cost'], '.3g')})"
+            for o in r.non_ane_ops)
+    return line
 
 
 def _fmt(v: Any) -> str:

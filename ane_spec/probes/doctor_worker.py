@@ -31,6 +31,9 @@ class WorkerSpec:
     decode_shape: str
     gguf: str | None
     work: str
+    strict: bool = False  # --strict: the residency check wants every op on the ANE
+    draft: str | None = None  # --draft-model's build folder
+    draft_units: str | None = None
 
 
 class _Checks:
@@ -44,7 +47,8 @@ class _Checks:
         build = None if spec.manifest is None else load_manifest(spec.manifest, verify=False)
         self.checks = checks
         self.run_state = DoctorRun(build, Path(spec.work), spec.decode_shape, spec.gguf,
-                                   channel.progress)
+                                   channel.progress, strict=spec.strict, draft=spec.draft,
+                                   draft_units=spec.draft_units)
 
     def run(self, index: int) -> dict[str, Any]:
         from ane_spec.probes.doctor import run_one

@@ -16,7 +16,7 @@ from ane_spec.probes.parity import run_parity
 from ane_spec.probes.report import GateReport, save_report
 from ane_spec.probes.row_invariance import run_row_invariance
 from ane_spec.runtime.backend import BackendName, Precision, make_backend
-from ane_spec.runtime.decode_shape import DecodeShape
+from ane_spec.runtime.decode_shape import DecodeShape, PrefillMode
 from ane_spec.runtime.pipeline import ShardPipeline
 
 # Row invariance first: on new hardware it is the property everything exact rests on; overflow
@@ -26,12 +26,13 @@ GATES = ("row-invariance", "overflow", "parity", "block", "drift", "residency")
 
 def open_pipeline(manifest: str | os.PathLike[str], backend: BackendName, precision: Precision,
                   *, verify: bool = True, decode_shape: DecodeShape = "fixed",
-                  defer_start: bool = False) -> tuple[LoadedManifest, ShardPipeline]:
+                  defer_start: bool = False, prefill: PrefillMode = "auto"
+                  ) -> tuple[LoadedManifest, ShardPipeline]:
     loaded = load_manifest(manifest, verify=verify)
     # The decode shape picks Core ML's reshape hint as well as the pass width.
     return loaded, ShardPipeline(
         loaded, make_backend(backend, precision=precision, decode_shape=decode_shape),
-        decode_shape, defer_start)
+        decode_shape, defer_start, prefill)
 
 
 def gate_parity(loaded: LoadedManifest, pipeline: ShardPipeline,
@@ -51,35 +52,54 @@ def gate_parity(loaded: LoadedManifest, pipeline: ShardPipeline,
 
 
 def residency_or_lint(package: Path, compute_units: str = "CPU_AND_NE",
-                      sha256: str | None = None) -> GateReport:
-    """One package: MLComputePlan where Core ML runs; everywhere, the static lint (warnings).
+                      sha256: str | None = None, strict: bool = False) -> GateReport:
+    """One package: MLComputePlan where Core ML runs, each of its functions (a layer package's
+    decode and prefill functions) judged apart; everywhere, the static lint (warnings).
     `sha256`: the package's hash from the manifest, the compiled-model cache's key."""
-    from ane_spec.probes.residency import ane_lint, residency_report
+    from ane_spec.probes.residency import ane_lint, residency_reports
     from ane_spec.runtime.backend import BackendUnavailable
 
     lint = [vars(w) | {"package": Path(w.package).name} for w in ane_lint(package)]
     try:
-        r = residency_report(package, compute_units, sha256)
+        reports = residency_reports(package, compute_units, sha256, strict)
     except BackendUnavailable as exc:  # "unavailable: needs macOS 15 (this is ...): ..."
         return GateReport("residency", False, "coreml", None, {"lint_warnings": len(lint)},
                           {"compute_non_ane": 0}, {"lint": lint},
                           skipped=f"{exc}; the static ANE lint ran instead: {len(lint)} warnings")
-    figures = {k: getattr(r, k) for k in RESIDENCY_COUNTS} | {"lint_warnings": len(lint)}
+    figures = residency_figures(reports) | {"lint_warnings": len(lint)}
     skipped = None
-    if r.undetermined:
-        ops = r.conv_total + sum(r.unplanned.values())
-        skipped = f"{r.undetermined}; structure only: {ops} op(s) read, placement unknown"
-    return GateReport("residency", r.passed, "coreml", None, figures, {"compute_non_ane": 0},
-                      {"lint": lint, "packages": [r.to_dict()]}, skipped=skipped)
+    undetermined = next((r.undetermined for r in reports if r.undetermined), None)
+    if undetermined:
+        ops = sum(r.conv_total + sum(r.unplanned.values()) for r in reports)
+        skipped = (f"{undetermined}; structure only: {ops} op(s) of {len(reports)} "
+                   "function(s) read, placement unknown")
+    return GateReport("residency", all(r.passed for r in reports), "coreml", None, figures,
+                      {"compute_non_ane": 0},
+                      {"lint": lint, "packages": [r.to_dict() for r in reports]}, skipped=skipped)
 
 
 RESIDENCY_COUNTS = ("conv_total", "conv_non_ane", "compute_total", "compute_non_ane")
 
 
-def gate_residency(loaded: LoadedManifest, compute_units: str = "CPU_AND_NE") -> GateReport:
-    """Every package of a build; passes only at zero non-ANE ops across all of them."""
+def residency_figures(reports) -> dict[str, int]:  # noqa: ANN001 - list[ResidencyReport]
+    """The counts over every function, then each non-default function's own non-ANE counts
+    (`prefill_compute_non_ane`, ...): a decode function on the ANE must not hide a prefill
+    function off it."""
+    figures = {k: sum(getattr(r, k) for r in reports) for k in RESIDENCY_COUNTS}
+    for r in reports:
+        if r.function != "main":
+            for k in RESIDENCY_COUNTS:
+                figures[f"{r.function}_{k}"] = figures.get(f"{r.function}_{k}", 0) + getattr(r, k)
+    return figures
+
+
+def gate_residency(loaded: LoadedManifest, compute_units: str = "CPU_AND_NE",
+                   strict: bool = False) -> GateReport:
+    """Every package of a build, every function of each; passes only where every one passes
+    (residency.ResidencyReport.passed: every conv on the ANE and the stated share of the cost,
+    or with `strict` every op)."""
     files = [p.file for p in [*loaded.manifest.shards, *loaded.manifest.heads]]
-    parts = [residency_or_lint(loaded.path(f), compute_units, f.sha256) for f in files]
+    parts = [residency_or_lint(loaded.path(f), compute_units, f.sha256, strict) for f in files]
     lint = [w for r in parts for w in r.details["lint"]]
     if any(r.skipped for r in parts):
         return GateReport("residency", False, "coreml", None, {"lint_warnings": len(lint)},
@@ -87,9 +107,13 @@ def gate_residency(loaded: LoadedManifest, compute_units: str = "CPU_AND_NE") ->
                           {"lint": lint, "packages": [p for r in parts
                                                       for p in r.details.get("packages", [])]},
                           skipped="; ".join(dict.fromkeys(r.skipped for r in parts if r.skipped)))
-    figures = {k: sum(r.figures[k] for r in parts) for k in RESIDENCY_COUNTS}
-    # MLComputePlan plans the RangeDim default shape only: the one shape this verdict covers.
+    keys = dict.fromkeys(k for r in parts for k in r.figures if k != "lint_warnings")
+    figures = {k: sum(r.figures.get(k, 0) for r in parts) for k in keys}
+    # MLComputePlan plans the RangeDim default shape only: the one decode shape this verdict
+    # covers; the prefill function has one fixed shape, P.
     figures["planned_t"] = loaded.manifest.build.default_t
+    if loaded.manifest.build.prefill_t:
+        figures["planned_prefill_t"] = loaded.manifest.build.prefill_t
     figures["lint_warnings"] = len(lint)
     return GateReport("residency", all(r.passed for r in parts), "coreml", None, figures,
                       {"compute_non_ane": 0},
@@ -98,14 +122,14 @@ def gate_residency(loaded: LoadedManifest, compute_units: str = "CPU_AND_NE") ->
 
 def run_gates(manifest: str | os.PathLike[str], gates: tuple[str, ...], *,
               backend: BackendName, precision: Precision, gguf: str | None = None,
-              verify: bool = True, save: bool = True, decode_shape: DecodeShape = "fixed"
-              ) -> list[GateReport]:
+              verify: bool = True, save: bool = True, decode_shape: DecodeShape = "fixed",
+              strict: bool = False) -> list[GateReport]:
     loaded, pipeline = None, None
     reports = []
     for gate in gates:
         if gate == "residency":
             loaded = loaded or load_manifest(manifest, verify=verify)
-            report = gate_residency(loaded)
+            report = gate_residency(loaded, strict=strict)
         else:
             if pipeline is None:
                 loaded, pipeline = open_pipeline(manifest, backend, precision, verify=verify,

@@ -19,9 +19,12 @@ the host's mask rows, and each output is compared bit for bit with what the op m
   recorded: IEEE leaves it to the implementation, and a clip that drops NaN would clean rows);
 - `finite_rows(x)`: the select form's whole K/V clean-up, NaN -> 0 and inf -> +-65504.
 
-Placement comes from the compute plan: of the build's first layer shard for the ops it holds
-(with `--manifest`; the authority, as the residency check is), else of the probe program, which
-being small and standalone may be placed differently from the same op inside a layer.
+Placement comes only from the compute plan of the build's first layer shard, for the ops it
+holds (`--manifest`): a small standalone program is placed on the CPU whatever its ops (issue
+35), so the probe program's own plan would advise against ops that run on the ANE inside a
+layer. Without a build the check reports the op results and says that placement needs
+`--manifest`. The probe runs through the backend (the Core ML worker, with the bridge's input-
+lifetime rule), as the pipeline's programs do.
 """
 
 from __future__ import annotations
@@ -148,18 +151,29 @@ def placements(report: Any, present: set[str] | None = None) -> dict[str, str]:
     return found
 
 
-def recommend(results: dict[str, OpResult], where: dict[str, str]) -> tuple[str | None, str]:
+def recommend(results: dict[str, OpResult], where: dict[str, str], built: bool = True
+              ) -> tuple[str | None, str]:
     """`select` when its ops are right and planned on the Neural Engine; `additive` when one is
-    wrong or planned elsewhere (with the reason); None when placement is not known here."""
+    wrong or planned elsewhere (with the reason); None when placement is not known here: no
+    build (`built` False: a standalone probe's placement says nothing, small programs go to
+    the CPU whatever their ops), or a build whose shard does not hold the select form's ops."""
     wrong = [op for op in (*SELECT_OPS, "finite_rows") if not results[op].right]
     if wrong:
         return "additive", (f"{', '.join(wrong)} wrong on this device: the select form's "
                             "exactness rests on them")
+    if not built:
+        return None, ("placement needs --manifest: only a build shard's compute plan says where "
+                      "these ops run (a small standalone program is placed on the CPU whatever "
+                      "its ops); select, the exact default, until then")
     off = [f"{op} on {where[op]}" for op in SELECT_OPS
-           if where[op] not in ("NeuralEngine", "unplanned")]
+           if where.get(op) not in (None, "NeuralEngine", "unplanned")]
     if off:
         return "additive", (f"{', '.join(off)}: the select form would leave the Neural Engine "
                             "three times a layer")
+    absent = [op for op in SELECT_OPS if op not in where]
+    if absent:
+        return None, (f"the build's shard holds no {', '.join(absent)} (an additive-form "
+                      "build?): build with --mask-form select to place them")
     unknown = [op for op in SELECT_OPS if where[op] == "unplanned"]
     if unknown:
         return None, (f"placement of {', '.join(unknown)} not planned here: no recommendation "

@@ -19,7 +19,11 @@ tolerance (as `row_invariance` does), against the same passes with the row left 
   row 3 read the poisoned slot and is rejected too), then the next pass, at the rejected slot:
   the accepted rows, the next pass's row and every slot up to it must be unchanged;
 - `hidden-slot`: slots hidden from the row (past its position) hold the largest finite K and V of
-  either sign, what a saturated overflow leaves: the row's outputs must be unchanged.
+  either sign, what a saturated overflow leaves: the row's outputs must be unchanged;
+- `prefill-padding` (builds with a prefill function): a prompt chunk of a few tokens in a P-row
+  pass of the prefill function, its padding rows (every row past the real ones) poisoned: the
+  real rows' outputs and every slot must be unchanged. Padding is the one row a prefill pass
+  computes that must not matter (it holds no drafts or fillers), and it is most of a last chunk.
 
 and, after every pass, every state value must be finite. Poisons: +inf, -inf, NaN, the three
 alternating, and 7e4 (inf in fp16; a large but ordinary value in fp32, so there the cases test
@@ -47,6 +51,7 @@ from ane_spec.errors import AneSpecError
 from ane_spec.probes.parity import gate_prompts, special_token_ids
 from ane_spec.probes.report import GateReport
 from ane_spec.probes.row_invariance import exactly_equal, state_arrays
+from ane_spec.runtime.hidden_layout import token_axis
 from ane_spec.runtime.pipeline import PipelineState, ShardPipeline
 
 FP16_MAX = float(np.finfo(np.float16).max)
@@ -59,6 +64,7 @@ HIDDEN_FILLS: dict[str, Sequence[float]] = {
     "alternating-max": [FP16_MAX, -FP16_MAX],
 }
 WIDTH = 4
+PREFILL_ROWS = 5  # real rows of the prefill-padding case's chunk: more than one decode pass holds
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,8 @@ def run_overflow(pipeline: ShardPipeline, prefix_lengths: tuple[int, ...] = (9,)
         cases += _padding_and_filler(pipeline, filled, p, tokens[0], fillers)
         cases += _rejected_draft(pipeline, filled, p, tokens)
         cases += _hidden_slots(pipeline, filled, p, tokens[0])
+        if pipeline.prefill_t:
+            cases += _prefill_padding(pipeline, filled, p, tokens[:min(PREFILL_ROWS, s - p)])
     additive = pipeline.manifest.build.mask_form == "additive"
     for c in cases:
         c["known_exposure"] = additive and in_additive_exposure(
@@ -178,6 +186,21 @@ def _hidden_slots(pipeline: ShardPipeline, filled: PipelineState, p: int,
     return results
 
 
+def _prefill_padding(pipeline: ShardPipeline, filled: PipelineState, p: int,
+                     tokens: list[int]) -> list[dict]:
+    """A prompt chunk of len(tokens) rows at p.., padded to P as `prefill_inputs` pads it (the
+    last token again, at the last position, writing nothing); the padding poisoned."""
+    r, width = len(tokens), pipeline.prefill_t
+    chunk = Pass(tokens + [tokens[-1]] * (width - r),
+                 [p + i for i in range(r)] + [p + r - 1] * (width - r),
+                 [True] * r + [False] * (width - r), [0, r - 1])
+    clean = _execute(pipeline, [chunk], [[]], pipeline.copy_state(filled), [0.0])
+    return [_case(p, "prefill-padding", name, clean,
+                  _execute(pipeline, [chunk], [list(range(r, width))],
+                           pipeline.copy_state(filled), pattern), slots=p + r, written=p + r)
+            for name, pattern in POISONS.items()]
+
+
 def _execute(pipeline: ShardPipeline, passes: list[Pass], poisoned: list[list[int]],
              state: PipelineState, pattern: Sequence[float]) -> Outcome:
     """Run the passes, replacing the poisoned rows' embeddings with `pattern` (tiled)."""
@@ -193,9 +216,16 @@ def _execute(pipeline: ShardPipeline, passes: list[Pass], poisoned: list[list[in
         with np.errstate(over="ignore"), warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             hidden = pipeline.to_hidden(embedded)
-            out = pipeline.head.predict({"x": pipeline.run_shards(hidden, inputs, state)})
-        for k in run.read:
-            rows.append(np.concatenate([pipeline.token_major(out[name])[k].astype(np.float64)
+            wide = len(run.tokens) > pipeline.max_t  # the prefill function's pass
+            hidden = pipeline.run_shards(hidden, inputs, state, prefill=wide)
+            read = run.read
+            if wide:  # the head takes the read rows only, padded as decode passes pad
+                picked = read + [read[-1]] * (pipeline.shape.pass_width(len(read)) - len(read))
+                hidden = np.take(hidden, picked, axis=token_axis(pipeline.layout))
+                read = list(range(len(read)))
+            out = pipeline.head.predict({"x": hidden})
+        for k in read:
+            rows.append(np.concatenate([pipeline.head_major(out[name])[k].astype(np.float64)
                                         for name in sorted(out)]))
         finite = finite and all(np.isfinite(a).all() for a in state_arrays(pipeline, state))
     return Outcome(rows, state_arrays(pipeline, state) if finite else [])

@@ -15,6 +15,14 @@ Two references, two questions:
   moves the logits depends on how chaotic the model is (0.9988 on the random "varied" fixture,
   0.99984 on the well-conditioned one, for int8-channel).
 
+A build with a prefill function (`build --prefill-t P`) prefills prompts in P-row passes, layers
+only, with the head on the last row. The gate runs every prompt that way too (`prefill_logits(...,
+prefill=True)`: the head then runs on every row, 4 at a time, as on the last one), continues it
+at T=1 from the cache those passes wrote, and holds the result to the same thresholds
+(`prefill_*` figures); one more prompt, of P + P/2 tokens where the context allows, spans two
+chunks. It also reports how the two ways compare with each other (`prefill_vs_decode_*`: where the
+backend is row-invariant across shapes, `probe row-invariance`, every row is bitwise equal).
+
 Argmax must agree at every *decisive* position: where the reference's top-1/top-2 margin exceeds
 twice the largest logit error seen at that position. Closer calls are genuine near-ties that any
 rounding may flip (one was seen at margin 0.0007 on a random model); they are counted and
@@ -99,22 +107,43 @@ def run_parity(loaded: LoadedManifest, pipeline: ShardPipeline, gguf,
                                    for n, t in p.quant.tensors.items()}))
     model_ref = ReferenceModel(gguf, context_window=window)
     specials = special_token_ids(pipeline)
-    graph, model, per_prompt = _Tally(), _Tally(), []
+    prefill_t = pipeline.prefill_t
+    if prefill_t:
+        lengths = (*lengths, prefill_t + prefill_t // 2)
+    graph, model, prefill, per_prompt = _Tally(), _Tally(), _Tally(), []
+    between: list[float] = []  # cosine of each row, prefill function against T=4 passes
+    identical = 0              # rows bitwise equal both ways
     for prompt in gate_prompts(m.model.vocab_size, window, lengths, specials):
         continuation = graph_ref.generate(prompt, decode_steps)[:decode_steps]
         sequence = prompt + continuation
+        expected = graph_ref.logits(sequence)
         got = _prefill_then_decode(pipeline, prompt, continuation)
-        cos = graph.add(got, graph_ref.logits(sequence))
+        cos = graph.add(got, expected)
         model.add(got, model_ref.logits(sequence))
-        per_prompt.append({"prompt_tokens": len(prompt), "positions": len(sequence),
-                           "cosine": [round(float(c), 7) for c in cos]})
+        row = {"prompt_tokens": len(prompt), "positions": len(sequence),
+               "cosine": [round(float(c), 7) for c in cos]}
+        if prefill_t:
+            got_p = _prefill_then_decode(pipeline, prompt, continuation, prefill=True)
+            row["prefill_cosine"] = [round(float(c), 7) for c in prefill.add(got_p, expected)]
+            between.extend(cosine_rows(got_p, got).tolist())
+            identical += sum(np.array_equal(a, b) for a, b in zip(got_p, got))
+        per_prompt.append(row)
     figures = graph.figures() | {f"gguf_{k}": v for k, v in model.figures().items()
                                  if k in ("min_cosine", "argmax_agreement")}
-    passed = (figures["min_cosine"] >= thresholds["min_cosine"]
-              and figures["decisive_argmax_agreement"] >= thresholds["decisive_argmax_agreement"])
+    passed = _meets(figures, thresholds)
+    if prefill_t:
+        figures |= {f"prefill_{k}": v for k, v in prefill.figures().items()}
+        figures |= {"prefill_vs_decode_min_cosine": float(min(between)),
+                    "prefill_vs_decode_identical_rows": int(identical)}
+        passed = passed and _meets(prefill.figures(), thresholds)
     return GateReport("parity", passed, backend, precision, figures, thresholds,
                       {"weights": m.build.weights, "prompts": per_prompt},
                       decode_shape=pipeline.decode_shape)
+
+
+def _meets(figures: dict, thresholds: dict[str, float]) -> bool:
+    return (figures["min_cosine"] >= thresholds["min_cosine"]
+            and figures["decisive_argmax_agreement"] >= thresholds["decisive_argmax_agreement"])
 
 
 class _Tally:
@@ -144,9 +173,11 @@ class _Tally:
 
 
 def _prefill_then_decode(pipeline: ShardPipeline, prompt: list[int],
-                         continuation: list[int]) -> np.ndarray:
+                         continuation: list[int], *, prefill: bool = False) -> np.ndarray:
+    """Every row's logits: the prompt prefilled (T=4 passes, or with `prefill` the prefill
+    function's), then the continuation one token per pass on the cache that left."""
     state = pipeline.new_state()
-    rows = [prefill_logits(pipeline, prompt, state)]
+    rows = [prefill_logits(pipeline, prompt, state, prefill=prefill)]
     position = len(prompt)
     for token in continuation:
         rows.append(pipeline.run([token], position, state).logits)

@@ -17,11 +17,35 @@ probe tokens run under several plans, each starting from an exact copy of the fi
 - `pairs`: two tokens per pass, the second pair at rows 2 and 3 behind two fillers;
 - `repeat`: `greedy` once more; if it differs, the backend is not even deterministic.
 
+A build with a prefill function (P rows, `build --prefill-t`) runs prompt chunks at a second
+shape, so the same is measured there, against its own reference:
+
+- `prefill-greedy`: one token per P-row pass at row 0, padded as a one-token prompt chunk is:
+  the reference at shape P;
+- `prefill-row-r` (r = 1, P-1): one token per pass at row r among fillers;
+- `prefill-block`: all probe tokens at rows 0..3 of one pass, as a prompt chunk holds them;
+- `prefill-spread-k`: all probe tokens in one pass at scattered rows (the last spread at the
+  pass's last rows), fillers between them;
+- `prefill-repeat`: `prefill-greedy` once more.
+
+Within a shape, row invariance is what exactness needs: speculative and greedy decoding prefill
+a prompt alike (`decode/prefill_plan.py`), so their caches are equal wherever every pass of one
+shape computes a row the same at every index; and a continued conversation, whose prompt chunks
+start wherever the last turn ended, prefills each token at another row index than a fresh
+session does. Across shapes it is a further property, reported beside the verdict, not required
+by it (`cross_shape`): the probe tokens' results under `greedy` against `prefill-greedy`, and the
+prefix itself filled both ways (T=4 passes against prefill chunks: every prefix row's logits and
+every state tensor). Where it holds, the K/V a reply's decode passes wrote equals what a fresh
+prefill of the same conversation writes, so a continued conversation gives a fresh session's
+tokens; where it does not, a reply still equals greedy decoding from the same cache.
+
 Every plan's logits rows for the probe tokens and every state tensor of every shard afterwards
 must equal the reference's exactly: IEEE equality, value for value, where any NaN fails. (+0 and
 -0 count as equal: the KV scatter adds the other rows' exact zeros, so a written -0 may come out
-+0 depending on its neighbours, and no later sum, product or comparison can tell them apart.) One case ends at the last slot of the context (positions
-S-4..S-1), where padding rows must keep their RoPE rows and masks in range.
++0 depending on its neighbours, and no later sum, product or comparison can tell them apart; the
+values that are equal but not the same bits are counted, `signed_zero_values`.) One case ends at
+the last slot of the context (positions S-4..S-1), where padding rows must keep their RoPE rows
+and masks in range.
 """
 
 from __future__ import annotations
@@ -35,6 +59,8 @@ from ane_spec.probes.report import GateReport
 from ane_spec.runtime.pipeline import BlockOutput, PipelineState, ShardPipeline
 
 PROBE_TOKENS = 4
+# Spread plans at the prefill shape (module docstring): one pass each.
+PREFILL_SPREADS = 3
 
 
 @dataclass(frozen=True)
@@ -56,50 +82,82 @@ class PlanResult:
 
 def run_row_invariance(pipeline: ShardPipeline, prefix_lengths: tuple[int, ...] = (9, 22),
                        end_of_context: bool = True, seed: int = 5) -> GateReport:
-    width = pipeline.max_t
+    width, prefill_t = pipeline.max_t, pipeline.prefill_t
     n = min(PROBE_TOKENS, width)
     s = pipeline.max_seq
     lengths = [p for p in prefix_lengths if p + n <= s]
     if end_of_context:
         lengths.append(s - n)
     rng = np.random.default_rng(seed)
-    cases, failures, worst_logit, worst_state = [], [], 0.0, 0.0
+    cases, failures, cross_failures = [], [], []
+    worst = {"logit": 0.0, "state": 0.0, "cross_logit": 0.0, "cross_state": 0.0}
+    signed_zeros = 0
     for prefix in gate_prompts(pipeline.config.vocab_size, s, lengths,
                                special_token_ids(pipeline), seed, reserve=0):
         p = len(prefix)
         probe = rng.integers(0, pipeline.config.vocab_size, n).tolist()
         filled = pipeline.new_state()
-        for start in range(0, p, width):
-            pipeline.run(prefix[start:start + width], start, filled, width=width)
+        prefix_rows = [_row(pipeline.run(prefix[start:start + width], start, filled,
+                                         width=width), k)
+                       for start in range(0, p, width)
+                       for k in range(min(width, p - start))]
         plans = _plans(probe, p, width, pipeline.config.vocab_size, rng)
+        references = {"greedy": [name for name in plans if name != "greedy"]}
+        if prefill_t:
+            prefill = _plans(probe, p, prefill_t, pipeline.config.vocab_size, rng, prefill=True)
+            plans |= prefill
+            references["prefill-greedy"] = [name for name in prefill
+                                            if name != "prefill-greedy"]
         results = {name: _execute(pipeline, plan, pipeline.copy_state(filled), n)
                    for name, plan in plans.items()}
-        reference = results["greedy"]
         compared = {}
-        for name, result in results.items():
-            if name == "greedy":
-                continue
-            diff = _compare(reference, result)
-            compared[name] = diff
-            worst_logit = max(worst_logit, diff["max_logit_diff"])
-            worst_state = max(worst_state, diff["max_state_diff"])
-            if not diff["identical"]:
-                failures.append(f"prefix {p}, plan {name}")
-        cases.append({"prefix_tokens": p, "positions": [p, p + n - 1], "plans": compared})
-    nondeterministic = any(not c["plans"]["repeat"]["identical"] for c in cases)
+        for reference, names in references.items():
+            for name in names:
+                diff = _compare(results[reference], results[name])
+                compared[name] = diff
+                worst["logit"] = max(worst["logit"], diff["max_logit_diff"])
+                worst["state"] = max(worst["state"], diff["max_state_diff"])
+                signed_zeros += diff["signed_zero_values"]
+                if not diff["identical"]:
+                    failures.append(f"prefix {p}, plan {name}")
+        case = {"prefix_tokens": p, "positions": [p, p + n - 1], "plans": compared}
+        if prefill_t:
+            cross = _cross_shape(pipeline, prefix, PlanResult(np.stack(prefix_rows),
+                                                              state_arrays(pipeline, filled)),
+                                 results)
+            for what, diff in cross.items():
+                worst["cross_logit"] = max(worst["cross_logit"], diff["max_logit_diff"])
+                worst["cross_state"] = max(worst["cross_state"], diff["max_state_diff"])
+                signed_zeros += diff["signed_zero_values"]
+                if not diff["identical"]:
+                    cross_failures.append(f"prefix {p}, {what}")
+            case["cross_shape"] = cross
+        cases.append(case)
+    nondeterministic = any(not c["plans"][name]["identical"] for c in cases
+                           for name in ("repeat", "prefill-repeat") if name in c["plans"])
     passed = not failures
     figures = {"cases": len(cases), "plans_per_case": len(cases[0]["plans"]) if cases else 0,
-               "differing_plans": len(failures), "max_logit_diff": worst_logit,
-               "max_state_diff": worst_state, "deterministic": not nondeterministic,
-               "verdict": _verdict(pipeline, passed, nondeterministic, failures)}
+               "differing_plans": len(failures), "max_logit_diff": worst["logit"],
+               "max_state_diff": worst["state"], "deterministic": not nondeterministic,
+               "prefill_t": prefill_t}
+    if prefill_t:
+        figures |= {"cross_shape_identical": not cross_failures,
+                    "cross_shape_differing": len(cross_failures),
+                    "cross_shape_max_logit_diff": worst["cross_logit"],
+                    "cross_shape_max_state_diff": worst["cross_state"]}
+    figures["signed_zero_values"] = signed_zeros
+    figures["verdict"] = _verdict(pipeline, nondeterministic, failures, cross_failures)
     return GateReport("row-invariance", passed, pipeline.backend.name,
                       pipeline.backend.precision, figures, {"max_logit_diff": 0.0,
                                                             "max_state_diff": 0.0},
-                      {"width": width, "cases": cases, "failures": failures})
+                      {"width": width, "prefill_t": prefill_t, "cases": cases,
+                       "failures": failures, "cross_shape_failures": cross_failures})
 
 
-def _plans(probe: list[int], p: int, width: int, vocab: int, rng: np.random.Generator
-           ) -> dict[str, Plan]:
+def _plans(probe: list[int], p: int, width: int, vocab: int, rng: np.random.Generator, *,
+           prefill: bool = False) -> dict[str, Plan]:
+    """The plans at the decode shape's width, or with `prefill` at the prefill function's
+    (their names prefixed `prefill-`; module docstring)."""
     n = len(probe)
 
     def filler() -> Row:
@@ -110,35 +168,65 @@ def _plans(probe: list[int], p: int, width: int, vocab: int, rng: np.random.Gene
         return Row(probe[i], p + i, True, probe=i)
 
     def padded(rows: list[Row]) -> list[Row]:
-        # What ShardPipeline.run does: repeat the last real row, writing nothing.
+        # What ShardPipeline.run and prefill_inputs do: repeat the last real row, writing nothing.
         last = rows[-1]
         return rows + [Row(last.token, last.position, False)] * (width - len(rows))
 
     def at_row(r: int, row: Row) -> list[Row]:
         return [row if k == r else filler() for k in range(width)]
 
+    name = "prefill-" if prefill else ""
     greedy = [padded([real(i)]) for i in range(n)]
-    plans: dict[str, Plan] = {"greedy": greedy}
-    for r in range(width):
-        plans[f"row-{r}"] = [at_row(r, real(i)) for i in range(n)]
-    plans["block"] = [padded([real(i) for i in range(n)])]
-    if n >= 4 and width >= 4:
+    plans: dict[str, Plan] = {f"{name}greedy": greedy}
+    for r in ((1, width - 1) if prefill else range(width)):
+        plans[f"{name}row-{r}"] = [at_row(r, real(i)) for i in range(n)]
+    plans[f"{name}block"] = [padded([real(i) for i in range(n)])]
+    if prefill:
+        for k in range(PREFILL_SPREADS):
+            rows = (list(range(width - n, width)) if k == PREFILL_SPREADS - 1
+                    else sorted(rng.choice(width, n, replace=False).tolist()))
+            where = dict(zip(rows, range(n)))  # probe tokens in position order, fillers between
+            plans[f"prefill-spread-{k}"] = [[real(where[r]) if r in where else filler()
+                                             for r in range(width)]]
+    elif n >= 4 and width >= 4:
         plans["pairs"] = [padded([real(0), real(1)]),
                           [filler(), filler(), real(2), real(3)] + [filler()] * (width - 4)]
-    plans["repeat"] = greedy
+    plans[f"{name}repeat"] = greedy
     return plans
 
 
 def _execute(pipeline: ShardPipeline, plan: Plan, state: PipelineState, n: int) -> PlanResult:
     rows: list[np.ndarray | None] = [None] * n
     for rows_of_pass in plan:
-        out = pipeline.run_rows([r.token for r in rows_of_pass],
-                                [r.position for r in rows_of_pass],
-                                [r.writes for r in rows_of_pass], state)
-        for k, row in enumerate(rows_of_pass):
-            if row.probe is not None:
-                rows[row.probe] = _row(out, k)
+        tokens = [r.token for r in rows_of_pass]
+        positions = [r.position for r in rows_of_pass]
+        writes = [r.writes for r in rows_of_pass]
+        read = [k for k, row in enumerate(rows_of_pass) if row.probe is not None]
+        if len(rows_of_pass) > pipeline.max_t:  # the prefill function; the head on read rows
+            hidden = pipeline.prefill_rows(tokens, positions, writes, state)
+            # the head at one shape for every plan: the rows it reads are what is compared
+            out = pipeline.head_rows(hidden, read, width=pipeline.max_t)
+            index = {k: i for i, k in enumerate(read)}
+        else:
+            out, index = pipeline.run_rows(tokens, positions, writes, state), {k: k for k in read}
+        for k in read:
+            rows[rows_of_pass[k].probe] = _row(out, index[k])
     return PlanResult(np.stack(rows), state_arrays(pipeline, state))
+
+
+def _cross_shape(pipeline: ShardPipeline, prefix: list[int], by_blocks: PlanResult,
+                 results: dict[str, PlanResult]) -> dict[str, dict]:
+    """The two cross-shape comparisons (module docstring): the probe tokens one per pass at
+    each width, and the prefix written in T=4 passes (`by_blocks`: every row's outputs, the
+    states) against the prefix written from a fresh state in prefill-function chunks."""
+    state, rows = pipeline.new_state(), []
+    for start in range(0, len(prefix), pipeline.prefill_t):
+        chunk = prefix[start:start + pipeline.prefill_t]
+        out = pipeline.head_rows(pipeline.prefill_hidden(chunk, start, state), range(len(chunk)))
+        rows += [_row(out, k) for k in range(len(chunk))]
+    return {"probe": _compare(results["greedy"], results["prefill-greedy"]),
+            "prefix": _compare(by_blocks, PlanResult(np.stack(rows), state_arrays(pipeline,
+                                                                                 state)))}
 
 
 def state_arrays(pipeline: ShardPipeline, state: PipelineState) -> list[np.ndarray]:
@@ -166,6 +254,8 @@ def _compare(ref: PlanResult, got: PlanResult) -> dict:
         "differing_states": int(sum(not e for e in states_equal)),
         "max_state_diff": max((_max_diff(a, b) for a, b in zip(ref.states, got.states)),
                               default=0.0),
+        "signed_zero_values": sum(signed_zero_values(a, b) for a, b in
+                                  [(ref.rows, got.rows), *zip(ref.states, got.states)]),
     }
 
 
@@ -173,22 +263,47 @@ def exactly_equal(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and bool(np.array_equal(a, b))
 
 
+def signed_zero_values(a: np.ndarray, b: np.ndarray) -> int:
+    """How many values are equal (IEEE) but not the same bits: +0 against -0."""
+    if a.shape != b.shape:
+        return 0
+    return int(((a == b) & (np.signbit(a) != np.signbit(b))).sum())
+
+
 def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
+    if a.shape != b.shape:
+        return float("inf")
     with np.errstate(invalid="ignore"):
         d = np.abs(a.astype(np.float64) - b.astype(np.float64))
     return float("inf") if np.isnan(d).any() else float(d.max(initial=0.0))
 
 
-def _verdict(pipeline: ShardPipeline, passed: bool, nondeterministic: bool,
-             failures: list[str]) -> str:
+def _verdict(pipeline: ShardPipeline, nondeterministic: bool, failures: list[str],
+             cross_failures: list[str]) -> str:
     where = pipeline.backend.describe()
-    if passed:
-        return (f"row-invariant on {where}: fixed-shape speculative decoding computes every token "
-                "exactly as greedy decoding does")
+    shapes = f"T={pipeline.max_t}" + (f" and T={pipeline.prefill_t}" if pipeline.prefill_t
+                                      else "")
     if nondeterministic:
         return (f"NOT DETERMINISTIC on {where}: the same pass twice gave different results, so "
                 "no decoding order can be exact here")
-    return (f"ROW INVARIANCE BROKEN on {where} ({len(failures)} plans differ, first: "
-            f"{failures[0]}): fixed-shape speculative decoding is NOT guaranteed to equal greedy "
-            "decoding on this backend")
-
+    at_decode_shape = [f for f in failures if ", plan prefill-" not in f]
+    if at_decode_shape:
+        return (f"ROW INVARIANCE BROKEN on {where} ({len(failures)} plans differ, first: "
+                f"{at_decode_shape[0]}): fixed-shape speculative decoding is NOT guaranteed to "
+                "equal greedy decoding on this backend")
+    if failures:
+        return (f"ROW INVARIANCE BROKEN at T={pipeline.prefill_t} on {where} ({len(failures)} "
+                f"plans differ, first: {failures[0]}): a prompt chunk computes a token by its "
+                "row in the chunk, so a conversation continued on its cache can differ from a "
+                f"fresh prefill of it; at T={pipeline.max_t} every row agrees, so speculative "
+                "decoding still equals greedy decoding from the same cache")
+    verdict = (f"row-invariant on {where} at {shapes}: fixed-shape speculative decoding "
+               "computes every token exactly as greedy decoding does")
+    if not pipeline.prefill_t:
+        return verdict
+    if cross_failures:
+        return (f"{verdict}; ACROSS SHAPES the results differ ({len(cross_failures)} checks, "
+                f"first: {cross_failures[0]}): a conversation continued on its cache can differ "
+                "from a fresh prefill of it (each still equals greedy decoding from its cache)")
+    return (f"{verdict}; and the same across shapes: a token prefilled at T={pipeline.prefill_t}"
+            f" and at T={pipeline.max_t} gives the same logits and K/V bits")

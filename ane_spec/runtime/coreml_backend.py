@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 
 from ane_spec.errors import AneSpecError
+from ane_spec.package_spec import function_description, is_multifunction, read_spec
+from ane_spec.runtime.autorelease import autorelease_pool
 from ane_spec.runtime.backend import BackendUnavailable
 from ane_spec.runtime.decode_shape import RESHAPE_FREQUENCIES, ReshapeFrequency
 from ane_spec.runtime.compiled_cache import compile_cached
@@ -152,29 +154,57 @@ def count_shape_switch(reshape_frequency: str, last: tuple | None,
 # referenced, untouched, for LINGER_SECONDS after the call. A ring of recent feeds rather than
 # persistent buffers reused every pass: #2827 also notes that Core ML keeps the buffer's raw
 # pointer bound for that same window, so writing the next pass's values into the same buffer
-# would race Core ML, and reusing one Python object every pass would have our thread change its
-# reference count while Core ML's queue may decrement it without the GIL. Fresh arrays that we
-# only drop after the window avoid both: the last reference is always ours, dropped with the
-# GIL. `write_state` values go into the ring too (`State::writeState` wraps them the same way,
-# with no autorelease pool of its own, so when Core ML lets go of them is not known).
+# would race Core ML. Arrays that we only drop after the window make the last reference always
+# ours, dropped with the GIL.
+#
+# A pass's pass-wide inputs (masks, RoPE tables) are the same for every shard: they are
+# converted once per pass and that one set is lent to every shard (`lend` around the pass), so
+# a 30-shard pass keeps one copy of them, not 30. The ring is bounded by bytes as well as by
+# time: past `max_bytes` the oldest entries go early, but never before MIN_LINGER_SECONDS (twice
+# the ~1 s Core ML was seen to hold inputs), so the bound gives way only to a pass rate that
+# lends more than `max_bytes` within that floor.
+#
+# `write_state` values are not ringed: `State::writeState` (CoreMLPython.mm) copies the value
+# into the state synchronously (`transferToMultiArray:` inside the
+# `getMultiArrayForStateNamed:handler:` block), and the only other holder, the autoreleased
+# MLFeatureValue that `convertValueToObjC` made, is released when our autorelease pool around
+# the call pops (runtime/autorelease.py), on our thread, with the GIL.
 LINGER_SECONDS = 10.0  # ten times the ~1 s Core ML was seen to keep inputs (#2827)
+MIN_LINGER_SECONDS = 2.0
+FEED_RING_BYTES = 64 << 20
+
+
+def _nbytes(feed: dict[str, np.ndarray]) -> int:
+    return sum(int(a.nbytes) for a in feed.values())
 
 
 class FeedRing:
-    """Arrays handed to Core ML, each kept alive (and never written) for LINGER_SECONDS."""
+    """Arrays handed to Core ML, each kept alive (and never written) for LINGER_SECONDS, or
+    MIN_LINGER_SECONDS once the ring holds more than `max_bytes`."""
 
-    def __init__(self, seconds: float = LINGER_SECONDS, clock=time.monotonic):  # noqa: ANN001
+    def __init__(self, seconds: float = LINGER_SECONDS, clock=time.monotonic,  # noqa: ANN001
+                 max_bytes: int = FEED_RING_BYTES, min_seconds: float = MIN_LINGER_SECONDS):
         self.seconds, self.clock = seconds, clock
-        self._kept: deque[list] = deque()
+        self.max_bytes, self.min_seconds = max_bytes, min(min_seconds, seconds)
+        self._kept: deque[list] = deque()  # [released at (inf: in a call), feed, bytes]
+        self.nbytes = 0  # bytes of every array the ring holds now
+
+    def _evict(self, now: float) -> None:
+        while self._kept:
+            age = now - self._kept[0][0]
+            if age > self.seconds or (self.nbytes > self.max_bytes and age >= self.min_seconds):
+                self.nbytes -= self._kept.popleft()[2]
+            else:
+                return
 
     @contextmanager
     def lend(self, feed: dict[str, np.ndarray]):  # noqa: ANN201
-        """Hold `feed` during the native call and for `seconds` after it returns (or fails)."""
-        now = self.clock()
-        while self._kept and now - self._kept[0][0] > self.seconds:
-            self._kept.popleft()
-        entry = [math.inf, dict(feed)]  # not evicted while the call runs
+        """Hold `feed` during the native call (or the pass) and for the window after it
+        returns (or fails)."""
+        self._evict(self.clock())
+        entry = [math.inf, dict(feed), _nbytes(feed)]  # not evicted while the call runs
         self._kept.append(entry)
+        self.nbytes += entry[2]
         try:
             yield
         finally:
@@ -184,12 +214,34 @@ class FeedRing:
         return len(self._kept)
 
     def holds(self, array: np.ndarray) -> bool:
-        return any(a is array for _, feed in self._kept for a in feed.values())
+        return any(a is array for _, feed, _ in self._kept for a in feed.values())
 
 
 # One ring for the process, not one per program: a program dropped right after a call (a probe's
 # throwaway load) must not take the arrays Core ML may still hold with it.
 FEEDS = FeedRing()
+
+
+def input_array(value: Any) -> np.ndarray:
+    """An input in the dtype its package declares: fp16 for every float input, int32 for an
+    integer one (a slice-write build's kv_write_start; fp16 would round a slot above 2048)."""
+    a = np.asarray(value)
+    return a.astype(np.int32 if a.dtype.kind in "iu" else np.float16, copy=False)
+
+
+def bridge_array(value: Any) -> np.ndarray:
+    """A fresh array of an input as coremltools' bridge takes it (float32, int32 or float64:
+    CoreMLPythonArray.mm dataTypeOf): float32 of its fp16 values, or int32."""
+    a = input_array(value)
+    return a.astype(np.float32) if a.dtype == np.float16 else np.array(a, copy=True)
+
+
+def as_bridged(value: np.ndarray) -> np.ndarray:
+    """`value` itself where the bridge takes it as it is (float32, C order, writable: a Core ML
+    output handed on to the next program), else `bridge_array`'s fresh copy."""
+    if value.dtype == np.float32 and value.flags.c_contiguous and value.flags.writeable:
+        return value
+    return bridge_array(value)
 
 
 class CoreMLProgram:
@@ -209,25 +261,38 @@ class CoreMLProgram:
         # CompiledMLModel.make_state() -> MLState, zero-filled (Apple: MLModel.makeState()).
         return self.model.make_state() if self.state_names else None
 
-    def predict(self, inputs: dict[str, np.ndarray], state: Any = None) -> dict[str, np.ndarray]:
+    def predict(self, inputs: dict[str, np.ndarray], state: Any = None, *,
+                lent: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         # Fresh float32 arrays of the fp16 values, kept alive by the feed ring (see
         # FeedRing): coremltools' predict would otherwise swap fp16 arrays for float32
         # temporaries (MLModel._update_float16_multiarray_input_to_float32) that only Core ML
         # still holds once the call returns. Core ML converts them to the fp16 the package
-        # declares, so values are exactly the fp16 ones.
-        feed = {k: np.asarray(v, dtype=np.float16).astype(np.float32) for k, v in inputs.items()}
-        self._count_shape(feed)
+        # declares, so values are exactly the fp16 ones. `lent`: inputs already made by
+        # `bridge_array` and held by the ring for the whole pass (`FeedRing.lend`), given as
+        # they are (the pass-wide masks and RoPE tables, one set for every shard).
+        feed = {k: bridge_array(v) for k, v in inputs.items()}
+        return self.predict_bridged(feed, state, lent=lent)
+
+    def predict_bridged(self, feed: dict[str, np.ndarray], state: Any = None, *,
+                        lent: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """`predict` on arrays that are already as the bridge takes them and that no one
+        writes again (a shard's output as the next shard's input): held by the ring, not
+        copied."""
+        whole = feed if not lent else {**lent, **feed}
+        self._count_shape(whole)
         if self.state_names and state is None:
             raise AneSpecError("this program is stateful: pass a state from make_state()")
         with self.feeds.lend(feed):
-            out = (self.model.predict(feed) if not self.state_names
-                   else self.model.predict(feed, state=state))
+            out = (self.model.predict(whole) if not self.state_names
+                   else self.model.predict(whole, state=state))
         return {k: np.asarray(v) for k, v in out.items()}
 
     def read_state(self, state: Any, name: str) -> np.ndarray:
         # MLState.read_state(name) (models/model.py) -> State::readState (CoreMLPython.mm):
         # Utils::convertArrayValueToPython already returns a float32 copy of the fp16 state.
-        return np.array(state.read_state(name), dtype=np.float32)
+        # readState has no @autoreleasepool of its own: ours frees what Core ML autoreleases.
+        with autorelease_pool():
+            return np.asarray(state.read_state(name), dtype=np.float32)
 
     def write_state(self, state: Any, name: str, value: np.ndarray) -> None:
         # MLState.write_state (models/model.py) hands the value to State::writeState untouched
@@ -235,11 +300,12 @@ class CoreMLProgram:
         # arrays (CoreMLPythonArray.mm dataTypeOf; anything else is "value type not
         # convertible", CoreMLPythonUtils.mm convertValueToObjC). So float32, whole-state shape,
         # contiguous and writable; Core ML converts it to the state's fp16 (transferToMultiArray),
-        # and fp16 -> fp32 -> fp16 is exact.
+        # and fp16 -> fp32 -> fp16 is exact. The copy is synchronous and our pool releases the
+        # bridge's wrapper before this returns (see FeedRing's note): the value is not ringed.
         if name not in self.state_names:
             raise AneSpecError(f"no state '{name}' (have {', '.join(self.state_names)})")
-        value = np.array(value, dtype=np.float32, order="C", copy=True)
-        with self.feeds.lend({name: value}):  # the bridge wraps it too (convertValueToObjC)
+        value = np.require(value, dtype=np.float32, requirements=["C", "W"])
+        with autorelease_pool():
             state.write_state(name, value)
 
 
@@ -253,15 +319,23 @@ class CoreMLBackend:
         self.reshape_frequency = check_reshape_frequency(reshape_frequency)
         require_macos("the Core ML backend", "use --backend mil")
 
-    def load(self, package: Path, *, sha256: str | None = None) -> CoreMLProgram:
+    def load(self, package: Path, *, sha256: str | None = None,
+             function: str = "main") -> CoreMLProgram:
         import coremltools as ct
 
         compiled = compile_package(package, sha256)
-        desc = ct.models.MLModel(str(package), skip_model_load=True).get_spec().description
+        spec = read_spec(package)
+        desc = function_description(spec, function)
         # CompiledMLModel(path, compute_units, function_name, optimization_hints)
-        # (models/_compiled_model.py)
+        # (models/_compiled_model.py). A multifunction package's function is chosen by name
+        # (MLModelConfiguration.functionName, macOS 15); a one-function package takes none.
+        # Programs of one package's functions share a state when their state descriptions
+        # match (a layer package's decode and prefill functions: static_checks checks it):
+        # Anemll makes one state from its `prefill` function and predicts with it on `infer`
+        # too (Anemll/Anemll tests/chat.py, create_unified_state).
         model = ct.models.CompiledMLModel(
             str(compiled), ct.ComputeUnit[self.compute_units],
+            function_name=function if is_multifunction(spec) else None,
             optimization_hints=optimization_hints(self.reshape_frequency))
         return CoreMLProgram(model, [i.name for i in desc.input], [o.name for o in desc.output],
                              [s.name for s in desc.state], self.reshape_frequency)

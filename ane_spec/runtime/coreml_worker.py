@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import threading
 import weakref
 from pathlib import Path
@@ -40,9 +41,14 @@ from typing import Any
 import numpy as np
 
 from ane_spec.errors import AneSpecError
-from ane_spec.runtime.coreml_backend import count_shape_switch
+from ane_spec.peak_memory import current_rss_bytes
+from ane_spec.runtime.coreml_backend import (
+    FEEDS, as_bridged, bridge_array, count_shape_switch, input_array,
+)
 from ane_spec.runtime.decode_shape import ReshapeFrequency
 from ane_spec.runtime.fp16_argmax import NonFiniteLogits, argmax
+from ane_spec.runtime.hidden_layout import head_token_major, repeat_row
+from ane_spec.runtime.state_rows import first_rows
 from ane_spec.worker_process import (
     ArraySpec, Channel, Outputs, WorkerDied, WorkerProcess, Written, view,
 )
@@ -82,8 +88,8 @@ class _Handler:
         self.heads: dict[int, tuple[dict[str, np.ndarray], HeadRows]] = {}
         self._scratch: np.ndarray | None = None
 
-    def load(self, pid: int, package: str, sha256: str | None) -> None:
-        self.programs[pid] = self.backend.load(Path(package), sha256=sha256)
+    def load(self, pid: int, package: str, sha256: str | None, function: str = "main") -> None:
+        self.programs[pid] = self.backend.load(Path(package), sha256=sha256, function=function)
 
     def make_state(self, pid: int, sid: int) -> None:
         self.states[sid] = (pid, self.programs[pid].make_state())
@@ -100,21 +106,38 @@ class _Handler:
 
     def run_pass(self, shards: list[tuple[int, int | None]], dropped: list[int],
                  heads: list[int], hid: int, dropped_heads: list[int], rows: HeadRows,
-                 chain: list[int], *, arrays: dict[str, np.ndarray]) -> list[int | None]:
+                 chain: list[int], head_row: tuple[int, int] | None = None, *,
+                 arrays: dict[str, np.ndarray]) -> list[int | None]:
         """One pass in one call: `arrays["x"]` through the shards (pid, state id) in order, each
         with the other arrays as its inputs, then the head's packages (pids, in vocabulary
-        order: one unless the head was split over --max-head-mb). The head's prediction is kept
-        here under `hid` until the parent drops it; its rows cross when read (`head_row`,
-        `head_argmax`). Returned: the argmax of the rows greedy decoding reads (`_chain`)."""
+        order: one unless the head was split over --max-head-mb; none for a prefill chunk that
+        is not the prompt's last). `head_row` (row, width): the head runs on that one row of
+        the shards' output, repeated `width` times (a prefill chunk's last token). The head's
+        prediction is kept here under `hid` until the parent drops it; its rows cross when read
+        (`head_row`, `head_argmax`). Returned: the argmax of the rows greedy decoding reads
+        (`_chain`)."""
         self.drop_states(dropped)
+        for old in dropped_heads if not heads else ():
+            self.heads.pop(old, None)
         inputs = dict(arrays)
         hidden = inputs.pop("x")
+        # The pass-wide inputs (masks, RoPE tables) are converted once for the pass and that
+        # one set is lent to every shard (coreml_backend.FeedRing); each shard's output goes
+        # on as the next one's input as Core ML returned it (float32 of fp16 values).
+        shared = {k: bridge_array(v) for k, v in inputs.items()}
+        hidden = bridge_array(hidden)
         step = 0
         try:
-            for step, (pid, sid) in enumerate(shards):
-                state = None if sid is None else self.states[sid][1]
-                hidden = self.programs[pid].predict({"x": hidden, **inputs}, state)["hidden"]
+            with FEEDS.lend(shared):
+                for step, (pid, sid) in enumerate(shards):
+                    state = None if sid is None else self.states[sid][1]
+                    hidden = self.programs[pid].predict_bridged(
+                        {"x": as_bridged(hidden)}, state, lent=shared)["hidden"]
             step = len(shards)
+            if not heads:
+                return []
+            if head_row is not None:
+                hidden = repeat_row(hidden, *head_row, rows.layout)
             return self.predict_head(heads, hid, dropped_heads, rows, chain, step,
                                      arrays={"x": hidden})
         except AneSpecError:
@@ -189,24 +212,64 @@ class _Handler:
         (`fp16_argmax.argmax`, which refuses a non-finite row): only the index crosses."""
         return argmax(self._gather(hid, r, None))
 
-    def read_state(self, pid: int, sid: int, name: str) -> np.ndarray:
-        return self.programs[pid].read_state(self.states[sid][1], name)
+    def _reply(self, name: str, value: np.ndarray) -> Written | Outputs:
+        """`value` back through the call's output slab, C order, written there directly."""
+        spec = ArraySpec(name, value.dtype.str, tuple(value.shape), 0, False)
+        buf = self.channel.output(value.nbytes)
+        if buf is None:
+            return Outputs(None, {name: value})
+        np.copyto(view(buf, spec), value)
+        return Written(None, [spec])
 
-    def write_state(self, pid: int, sid: int, name: str, value: np.ndarray) -> None:
-        self.programs[pid].write_state(self.states[sid][1], name, value)
+    def read_state(self, pid: int, sid: int, name: str) -> Written | Outputs:
+        return self._reply("state", self.programs[pid].read_state(self.states[sid][1], name))
 
+    def write_state(self, pid: int, sid: int, name: str, *,
+                    arrays: dict[str, np.ndarray]) -> None:
+        self.programs[pid].write_state(self.states[sid][1], name, arrays["value"])
+
+    def read_rows(self, pid: int, sid: int, name: str, n: int, axis: int | None,
+                  dtype: str) -> Written | Outputs:
+        """The first n rows along `axis` of a state (all of it for None), cast to `dtype`
+        here: a capture of n tokens moves n rows of fp16, not the whole float32 state."""
+        full = self.programs[pid].read_state(self.states[sid][1], name)
+        rows = full if axis is None else full[first_rows(full.ndim, axis, n)]
+        shape = tuple(rows.shape)
+        spec = ArraySpec("rows", np.dtype(dtype).str, shape, 0, False)
+        buf = self.channel.output(np.dtype(dtype).itemsize * math.prod(shape))
+        if buf is None:
+            return Outputs(None, {"rows": rows.astype(dtype)})
+        np.copyto(view(buf, spec), rows, casting="unsafe")
+        return Written(None, [spec])
+
+    def resident_bytes(self) -> int:
+        """This process's resident memory now: the states live here, and so would whatever
+        Core ML autoreleases around a read or write that no pool frees."""
+        return current_rss_bytes()
+
+    def write_rows(self, pid: int, sid: int, name: str, n: int, axis: int | None,
+                   shape: tuple[int, ...], *, arrays: dict[str, np.ndarray] | None = None
+                   ) -> None:
+        """Rows 0..n-1 along `axis` from `arrays["rows"]` (none: n must be 0), zeros past
+        them: the whole state is made here, so only the rows cross."""
+        full = np.zeros(shape, dtype=np.float32)
+        if arrays is not None:
+            full[first_rows(len(shape), axis, n) if axis is not None else ...] = arrays["rows"]
+        self.programs[pid].write_state(self.states[sid][1], name, full)
 
 @dataclasses.dataclass(frozen=True)
 class HeadRows:
     """How a head prediction's rows are read: its logits outputs in vocabulary order, their
-    [start, end) ranges, and the hidden layout (BCT1: [1, V_i, T, 1]; else [1, V_i, 1, T])."""
+    [start, end) ranges, the hidden layout (BCT1: [1, V_i, T, 1]; else [1, V_i, 1, T]), and the
+    head's own (build.head_layout: vocab-last heads emit [1, T, V_i])."""
 
     names: tuple[str, ...]
     chunks: tuple[tuple[int, int], ...]
     layout: str
+    head_layout: str = "channels"
 
     def token_major(self, x: np.ndarray) -> np.ndarray:
-        return (x[0, :, :, 0] if self.layout == "BCT1" else x[0, :, 0, :]).T
+        return head_token_major(x, self.layout, self.head_layout)
 
 
 def _weak(method: Any) -> Any:
@@ -227,6 +290,17 @@ def _make_handler(compute_units: str, reshape_frequency: str, channel: Channel) 
 
 # --- the parent ------------------------------------------------------------------------------
 
+def _require_worker(backend: CoreMLWorkerBackend, generation: int, what: str,
+                    remedy: str) -> None:
+    """StateLost unless the worker `generation` is the running one. Checked before the call:
+    once a death has been noticed, the next call would start a fresh worker, which has never
+    heard of the id (a KeyError there, reported as a Core ML failure)."""
+    worker = backend.worker
+    if not worker.runs(generation):
+        raise StateLost(f"{what} lived in a Core ML worker that has died since "
+                        f"({worker.health()['last_death'] or 'it was closed'}); {remedy}")
+
+
 class WorkerState:
     """A state living in the worker: a handle, valid while the worker that made it lives."""
 
@@ -237,9 +311,11 @@ class WorkerState:
 class WorkerProgram:
     def __init__(self, backend: CoreMLWorkerBackend, pid: int, package: Path,
                  sha256: str | None, label: str, input_names: list[str],
-                 output_names: list[str], state_names: list[str]):
+                 output_names: list[str], state_names: list[str], function: str = "main",
+                 state_shapes: dict[str, tuple[int, ...]] | None = None):
         self.backend, self.pid, self.package, self.sha256 = backend, pid, package, sha256
-        self.label = label
+        self.state_shapes = state_shapes or {}
+        self.label, self.function = label, function
         self.input_names, self.output_names, self.state_names = (
             input_names, output_names, state_names)
         self._last_shapes: tuple | None = None
@@ -249,9 +325,7 @@ class WorkerProgram:
             return None
         if not isinstance(state, WorkerState) or state.program.backend is not self.backend:
             raise AneSpecError("a state from another model's Core ML worker")
-        if state.generation != self.backend.worker.generation:
-            raise StateLost(f"this KV state lived in a Core ML worker that has died since "
-                            f"({self.backend.worker.health()['last_death']}); make a new one")
+        _require_worker(self.backend, state.generation, "this KV state", "make a new one")
         return state.sid
 
     def make_state(self) -> WorkerState | None:
@@ -270,7 +344,7 @@ class WorkerProgram:
         # The values Core ML runs on are the fp16 ones the package declares, whatever the
         # caller's dtype (the in-worker program casts as the in-process one does); sending fp16
         # halves the bytes of an fp32 hidden state and keeps every value.
-        arrays = {k: np.asarray(v, dtype=np.float16) for k, v in inputs.items()}
+        arrays = {k: input_array(v) for k, v in inputs.items()}
         self._last_shapes = count_shape_switch(self.backend.reshape_frequency,
                                                self._last_shapes, arrays)
         dropped, self.backend._dropped[:] = list(self.backend._dropped), []
@@ -279,16 +353,48 @@ class WorkerProgram:
         return out
 
     def read_state(self, state: Any, name: str) -> np.ndarray:
+        """A float32 copy of the whole state, through shared memory."""
         sid = self._state_id(state)
-        return self.backend._call("read_state", self.pid, sid, name,
-                                  during=f"read_state {name} of {self.label}")
+        _, out = self.backend._call("read_state", self.pid, sid, name,
+                                    during=f"read_state {name} of {self.label}")
+        return np.array(out["state"], order="C")  # ours: the slab is free for the next call
 
     def write_state(self, state: Any, name: str, value: np.ndarray) -> None:
         if name not in self.state_names:
             raise AneSpecError(f"no state '{name}' (have {', '.join(self.state_names)})")
         sid = self._state_id(state)
-        self.backend._call("write_state", self.pid, sid, name, np.asarray(value),
+        self.backend._call("write_state", self.pid, sid, name,
+                           arrays={"value": np.asarray(value)},
                            during=f"write_state {name} of {self.label}")
+
+    def read_rows(self, state: Any, name: str, n: int, axis: int | None,
+                  dtype: np.dtype) -> np.ndarray:
+        """Rows 0..n-1 along `axis` of a state, sliced and cast to `dtype` in the worker and
+        returned through shared memory (state_rows.read_rows)."""
+        sid = self._state_id(state)
+        _, out = self.backend._call("read_rows", self.pid, sid, name, int(n), axis,
+                                    np.dtype(dtype).str,
+                                    during=f"read_state {name} of {self.label}",
+                                    reply_bytes=self._row_bytes(name, n, axis, dtype))
+        return np.array(out["rows"], order="C")  # ours: the slab is free for the next call
+
+    def write_rows(self, state: Any, name: str, rows: np.ndarray | None, n: int,
+                   axis: int | None, shape: tuple[int, ...]) -> None:
+        """State_rows.write_rows in the worker: only `rows` cross; the zeros are made there."""
+        if name not in self.state_names:
+            raise AneSpecError(f"no state '{name}' (have {', '.join(self.state_names)})")
+        sid = self._state_id(state)
+        self.backend._call("write_rows", self.pid, sid, name, int(n), axis, tuple(shape),
+                           arrays=None if rows is None else {"rows": np.asarray(rows)},
+                           during=f"write_state {name} of {self.label}")
+
+    def _row_bytes(self, name: str, n: int, axis: int | None, dtype: np.dtype) -> int:
+        shape = self.state_shapes.get(name)
+        if shape is None:
+            return 0
+        if axis is not None:
+            shape = tuple(n if i == axis else d for i, d in enumerate(shape))
+        return math.prod(shape) * np.dtype(dtype).itemsize
 
 
 class RemoteRows:
@@ -305,9 +411,7 @@ class RemoteRows:
 
     def _call(self, method: str, r: int, what: str) -> Any:
         backend = self.program.backend
-        if backend.worker.generation != self.generation:
-            raise StateLost(f"this pass's logits lived in a Core ML worker that has died since "
-                            f"({backend.worker.health()['last_death']}); run the pass again")
+        _require_worker(backend, self.generation, "this pass's logits", "run the pass again")
         return backend._call(method, self.hid, int(r),
                              during=f"reading {what} of row {r} of {self.program.label}")
 
@@ -355,18 +459,23 @@ class CoreMLWorkerBackend:
             self._ids += 1
             return self._ids
 
-    def load(self, package: Path, *, sha256: str | None = None) -> WorkerProgram:
-        import coremltools as ct
+    def load(self, package: Path, *, sha256: str | None = None,
+             function: str = "main") -> WorkerProgram:
+        from ane_spec.package_spec import function_description, read_spec
 
         package = Path(package)
         if not package.is_dir():
             raise AneSpecError(f"{package}: not an .mlpackage folder")
         # The package's description is read from its spec, with no native work (coremltools'
         # MLModel with skip_model_load reads the protobuf only).
-        desc = ct.models.MLModel(str(package), skip_model_load=True).get_spec().description
-        program = WorkerProgram(self, self._next_id(), package, sha256,
-                                f"{package.name} ({package})", [i.name for i in desc.input],
-                                [o.name for o in desc.output], [s.name for s in desc.state])
+        desc = function_description(read_spec(package), function)
+        where = f"{package.name} ({package})" if function == "main" else (
+            f"{package.name} function {function} ({package})")
+        program = WorkerProgram(self, self._next_id(), package, sha256, where,
+                                [i.name for i in desc.input], [o.name for o in desc.output],
+                                [s.name for s in desc.state], function,
+                                {s.name: tuple(int(d) for d in s.type.stateType.arrayType.shape)
+                                 for s in desc.state})
         self.programs.append(program)
         if self.worker.alive:  # loaded after start: load it now as well
             self._load(program)
@@ -385,7 +494,7 @@ class CoreMLWorkerBackend:
         self._loaded_generation = worker.generation
 
     def _load(self, program: WorkerProgram) -> None:
-        self._call("load", program.pid, str(program.package), program.sha256,
+        self._call("load", program.pid, str(program.package), program.sha256, program.function,
                    during=f"load of {program.label}")
 
     def _kept(self, head: WorkerProgram, hid: int, known: list[int | None]) -> RemoteRows:
@@ -395,12 +504,15 @@ class CoreMLWorkerBackend:
 
     def run_pass(self, shards: list[WorkerProgram], states: list[Any], hidden: np.ndarray,
                  inputs: dict[str, np.ndarray], heads: list[WorkerProgram], rows: HeadRows,
-                 chain: list[int]) -> RemoteRows:
+                 chain: list[int], *, head_row: tuple[int, int] | None = None
+                 ) -> RemoteRows | None:
         """`hidden` through every shard (with `inputs`, and its state) and the head's packages,
         in one call to the worker: the hidden states between programs never cross, and neither
         do the logits (`RemoteRows`). The same predictions, in the same order, on the
-        same values as one call per program."""
-        arrays = {k: np.asarray(v, dtype=np.float16) for k, v in {"x": hidden, **inputs}.items()}
+        same values as one call per program. No heads (a prefill chunk before the prompt's
+        last): the layers only, and None. `head_row` (row, width): the head reads that row
+        of the shards' output, repeated (`repeat_row`)."""
+        arrays = {k: input_array(v) for k, v in {"x": hidden, **inputs}.items()}
         calls = []
         for program, state in zip(shards, states):
             if program.state_names and state is None:
@@ -408,9 +520,13 @@ class CoreMLWorkerBackend:
             calls.append((program.pid, program._state_id(state)))
             program._last_shapes = count_shape_switch(self.reshape_frequency,
                                                       program._last_shapes, arrays)
+        # The head's input is the shards' output: a prefill chunk's one row, repeated, where
+        # `head_row` says so (the shards' output has the input's shape).
+        head_x = {"x": arrays["x"] if head_row is None or not heads
+                  else repeat_row(arrays["x"], *head_row, rows.layout)}
         for head in heads:
             head._last_shapes = count_shape_switch(self.reshape_frequency, head._last_shapes,
-                                                   {"x": arrays["x"]})
+                                                   head_x)
         hid = self._next_id()
         dropped, self._dropped[:] = list(self._dropped), []
         dropped_heads, self._dropped_heads[:] = list(self._dropped_heads), []
@@ -418,22 +534,28 @@ class CoreMLWorkerBackend:
         try:
             known = self._call("run_pass", calls, dropped, [h.pid for h in heads], hid,
                                dropped_heads, rows,
-                               list(chain), arrays=arrays,
+                               list(chain), head_row, arrays=arrays,
                                during=f"predict on {', then '.join(labels)}")
         except _StepFailed as exc:  # as one call per program would have said it
             raise CoreMLFailure(f"Core ML failed during predict on {labels[exc.step]}: "
                                 f"{exc.kind}: {exc.text}") from None
-        return self._kept(heads[0], hid, known)
+        return self._kept(heads[0], hid, known) if heads else None
 
     def _call(self, method: str, *args: Any, during: str,
-              arrays: dict[str, np.ndarray] | None = None) -> Any:
+              arrays: dict[str, np.ndarray] | None = None, reply_bytes: int = 0) -> Any:
         try:
-            return self.worker.call(method, *args, during=during, arrays=arrays)
+            return self.worker.call(method, *args, during=during, arrays=arrays,
+                                    reply_bytes=reply_bytes)
         except (WorkerDied, AneSpecError):
             raise
         except Exception as exc:  # noqa: BLE001 - Core ML's own errors (RuntimeError, ...)
             raise CoreMLFailure(f"Core ML failed during {during}: {type(exc).__name__}: "
                                 f"{str(exc).strip()}") from exc
+
+    def resident_bytes(self) -> int:
+        """The worker's resident memory now, in bytes (the doctor's `state-reads` leak check
+        watches it there, where Core ML's copies would pile up, not in the caller)."""
+        return self._call("resident_bytes", during="reading the Core ML worker's resident memory")
 
     def health(self) -> dict[str, Any]:
         return self.worker.health() | {"programs": len(self.programs)}

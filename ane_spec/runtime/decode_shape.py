@@ -27,10 +27,20 @@ DECODE_SHAPES: tuple[DecodeShape, ...] = ("fixed", "mixed")
 # Core ML's reshapeFrequency hint: one shape for the program's lifetime, or alternating widths.
 ReshapeFrequency = Literal["Infrequent", "Frequent"]
 RESHAPE_FREQUENCIES: tuple[ReshapeFrequency, ...] = ("Infrequent", "Frequent")
+# Which prompt chunks run through a build's prefill function (decode/prefill_plan.py): where the
+# backend's measured costs say it is cheaper, every chunk, or none.
+PrefillMode = Literal["auto", "on", "off"]
+PREFILL_MODES: tuple[PrefillMode, ...] = ("auto", "on", "off")
 # Two logits that may each move by `drift` can swap when their gap is under 2 * drift.
 GUARD_FACTOR = 2.0
 # Below this c(T=T_max)/c(T=1) the extra rows are close enough to free that guessing pays.
 FILL_BELOW_RATIO = 1.5
+
+
+def check_prefill_mode(mode: str) -> PrefillMode:
+    if mode not in PREFILL_MODES:
+        raise AneSpecError(f"unknown prefill mode '{mode}' (choose {', '.join(PREFILL_MODES)})")
+    return mode  # type: ignore[return-value]
 
 
 def check_decode_shape(decode_shape: str) -> DecodeShape:

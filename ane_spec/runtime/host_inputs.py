@@ -5,7 +5,8 @@ slots 0..q. Slots past q may hold rejected drafts from an earlier pass; the mask
 later pass overwrites them, so no state copy or rollback is ever needed.
 
 A pass can be wider than the tokens it carries. In the fixed decode shape every pass runs at
-T = 4 and the rows past the real ones are padding: they repeat the last real row's position, so
+T = 4, and a prompt chunk of the prefill function (`prefill_t` > 0) at T = prefill_t; the rows
+past the real ones are padding: they repeat the last real row's position, so
 their RoPE rows and masks stay in range at the end of the context, and their `kv_write_mask`
 column is all zero, so they write nothing. `keep = 1 - rowsum(write)` then counts real rows only.
 
@@ -21,6 +22,19 @@ after the global ones along the slot axis: `attn_mask` [1, 1, T, S + R], `kv_wri
 [1, 1, S + R, T]. The local visibility is computed from the position each ring slot holds after
 the pass's writes (`RingSlots`, one per conversation, which `block`/`rows` update): slot j is
 visible to row p iff it holds q with p - W < q <= p, llama.cpp's swa rule as above.
+
+A slice-write build (`kv_write="slice"`, manifest build.kv_write) writes K/V through windows
+of `width` slots (4 in a decode pass, P in a prefill chunk: the program's width) instead of the
+whole state: `kv_write_mask` is then [1, 1, n * width, T], one [width, T] one-hot per window
+(its rows are the window's slots), and `kv_write_start` [T, n] int32 holds each window's first
+slot, repeated in every row. The window covers the slots the pass writes; rows that write
+nothing keep a zero column as before, and a window slot no row writes keeps its value, so the
+state after a pass is the scatter's (layer_graph.window_rows). Where the written slots start
+less than `width` before the end of the state, the window starts at S - width instead (never
+past the state, and still over every written slot). n = 1, or with a ring 3: the global
+layers' window, then the ring's two, which a pass needs when its block wraps past the ring's
+last slot (slots R-a.. in one window at R - width, 0..b-1 in the other at 0); a block that
+does not wrap uses the first, and the second writes nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ane_spec.errors import AneSpecError
+from ane_spec.manifests.schema import KV_WRITE_START
 from ane_spec.model.rope import RopeSpec
 from ane_spec.model.swa_ring import RingSlots
 
@@ -57,10 +72,17 @@ class HostInputs:
     window: int = 0
     # Slots of the local layers' KV ring (0: their states are full-length).
     ring: int = 0
+    # The prefill function's fixed width (0: the build has none): the one width above max_t a
+    # pass may have.
+    prefill_t: int = 0
+    # How the build's layers write K/V (manifest build.kv_write): "slice" takes windows.
+    kv_write: str = "scatter"
 
     def __post_init__(self) -> None:
         if (self.rope_local is None) != (self.window <= 0):
             raise AneSpecError("local-layer inputs need both the local RoPE and a window > 0")
+        if self.kv_write not in ("scatter", "slice"):
+            raise AneSpecError(f"unknown K/V write form {self.kv_write!r}")
         if self.ring and not self.window < self.ring < self.max_seq:
             raise AneSpecError(f"a KV ring of {self.ring} slots needs a window below it "
                                f"({self.window}) and a context above it ({self.max_seq})")
@@ -95,8 +117,9 @@ class HostInputs:
         `ring`: the conversation's ring positions, updated with this pass's writes; without one
         a ring build assumes a state filled in order up to this pass (`RingSlots.filled_to`)."""
         width = t if width is None else width
-        if not 1 <= t <= width <= self.max_t:
-            raise AneSpecError(f"a pass holds 1..{self.max_t} rows, got {t} real rows in a pass "
+        if not (1 <= t <= width and (width <= self.max_t or width == self.prefill_t)):
+            widths = f"1..{self.max_t}" + (f" or {self.prefill_t}" if self.prefill_t else "")
+            raise AneSpecError(f"a pass holds {widths} rows, got {t} real rows in a pass "
                                f"of {width}")
         if position < 0 or position + t > self.max_seq:
             raise AneSpecError(f"positions {position}..{position + t - 1} do not fit the "
@@ -110,8 +133,10 @@ class HostInputs:
         the same token at every row index of a pass."""
         pos = np.asarray(positions, dtype=np.int64)
         wr = np.asarray(writes, dtype=bool)
-        if not 1 <= len(pos) <= self.max_t or wr.shape != pos.shape:
-            raise AneSpecError(f"a pass holds 1..{self.max_t} rows, each with one write flag")
+        width_ok = 1 <= len(pos) <= self.max_t or len(pos) == self.prefill_t
+        if not width_ok or wr.shape != pos.shape:
+            widths = f"1..{self.max_t}" + (f" or {self.prefill_t}" if self.prefill_t else "")
+            raise AneSpecError(f"a pass holds {widths} rows, each with one write flag")
         if pos.min() < 0 or pos.max() >= self.max_seq:
             raise AneSpecError(f"positions {pos.tolist()} do not fit the context window of "
                                f"{self.max_seq} slots")
@@ -126,14 +151,19 @@ class HostInputs:
                 ring: RingSlots | None = None) -> dict[str, np.ndarray]:
         t = len(positions)
         mask = self._mask_rows[positions]  # [t, S]: 0 at slots <= the row's position
-        write = np.zeros((self.max_seq, t), dtype=self.dtype)
-        write[positions[writes], np.flatnonzero(writes)] = 1.0
         inputs = {
             "rope_cos": self.cos[positions],
             "rope_sin": self.sin[positions],
             "attn_mask": mask.reshape(1, 1, t, self.max_seq),
-            "kv_write_mask": write.reshape(1, 1, self.max_seq, t),
         }
+        if self.kv_write == "slice":
+            start = window_start(positions[writes], self.window_width(t), self.max_seq)
+            inputs["kv_write_mask"] = self._window_mask(start, positions, writes)
+            inputs[KV_WRITE_START] = np.full((t, 1), start, dtype=np.int32)
+        else:
+            write = np.zeros((self.max_seq, t), dtype=self.dtype)
+            write[positions[writes], np.flatnonzero(writes)] = 1.0
+            inputs["kv_write_mask"] = write.reshape(1, 1, self.max_seq, t)
         if self.ring:
             self._ring_inputs(inputs, positions, writes, ring)
         elif self.rope_local is not None:
@@ -150,11 +180,74 @@ class HostInputs:
         elif (ring.rows, ring.window) != (self.ring, self.window):
             raise AneSpecError(f"a state's ring of {ring.rows} slots (window {ring.window}) "
                                f"does not fit this build's ({self.ring}, window {self.window})")
+        slots = ring.slot(positions[writes])
+        if self.kv_write == "slice":  # before the ring records the writes: a refusal leaves it
+            first, second, in_second = ring_windows(slots, self.window_width(t), self.ring)
         ring.write(positions[writes])  # the layers scatter before they attend
         local = np.where(ring.visible(positions), 0.0, MASK_VALUE).astype(self.dtype)
-        write = np.zeros((self.ring, t), dtype=self.dtype)
-        write[ring.slot(positions[writes]), np.flatnonzero(writes)] = 1.0
         inputs["attn_mask"] = np.concatenate(
             [inputs["attn_mask"], local.reshape(1, 1, t, self.ring)], axis=3)
+        if self.kv_write == "slice":
+            ring_slots = np.full(t, -1, dtype=np.int64)  # -1: the row writes no ring slot
+            ring_slots[writes] = slots
+            parts = [inputs["kv_write_mask"]]
+            for start, chosen in ((first, ~in_second), (second, in_second)):
+                picked = writes.copy()
+                picked[writes] = chosen
+                parts.append(self._window_mask(start, ring_slots, picked))
+            inputs["kv_write_mask"] = np.concatenate(parts, axis=2)
+            inputs[KV_WRITE_START] = np.tile(np.array(
+                [inputs[KV_WRITE_START][0, 0], first, second], dtype=np.int32), (t, 1))
+            return
+        write = np.zeros((self.ring, t), dtype=self.dtype)
+        write[slots, np.flatnonzero(writes)] = 1.0
         inputs["kv_write_mask"] = np.concatenate(
             [inputs["kv_write_mask"], write.reshape(1, 1, self.ring, t)], axis=2)
+
+    def window_width(self, t: int) -> int:
+        """The slots of a slice-form window in a pass of t rows: the program's width (the
+        decode program's max_t, or the prefill function's P), as programs.kv_write_window."""
+        return self.max_t if t <= self.max_t else self.prefill_t
+
+    def _window_mask(self, start: int, slots: np.ndarray, writes: np.ndarray) -> np.ndarray:
+        """[1, 1, width, t]: row r's column is one-hot at its slot's place in the window
+        starting at `start`, or zero where the row writes nothing."""
+        t = len(slots)
+        width = self.window_width(t)
+        at = slots[writes] - start
+        if ((at < 0) | (at >= width)).any():  # numpy would wrap a negative place silently
+            raise AneSpecError(f"slots {slots[writes].tolist()} are not all in the window of "
+                               f"{width} from {start}")
+        write = np.zeros((width, t), dtype=self.dtype)
+        write[at, np.flatnonzero(writes)] = 1.0
+        return write.reshape(1, 1, -1, t)
+
+
+def window_start(slots: np.ndarray, width: int, size: int) -> int:
+    """The first slot of a `width`-slot window of a `size`-slot state that covers `slots`: the
+    lowest written slot, or size - width where that would run past the state's end (0 when
+    nothing is written: the window then writes nothing)."""
+    if not len(slots):
+        return 0
+    lo, hi = int(slots.min()), int(slots.max())
+    if hi - lo >= width:
+        raise AneSpecError(f"one pass writes slots {lo}..{hi}; a slice-write build "
+                           f"(--kv-write slice) writes a window of {width} slots a pass")
+    return min(lo, size - width)
+
+
+def ring_windows(slots: np.ndarray, width: int, rows: int) -> tuple[int, int, np.ndarray]:
+    """Two windows of a `rows`-slot ring covering `slots`: (first start, second start, which
+    slots the second takes). Slots within one window go to the first (the second then writes
+    nothing, at the same place); a block that wraps puts its slots at the ring's end in a
+    window at rows - width and the wrapped ones in a window at 0."""
+    slots = np.asarray(slots, dtype=np.int64)
+    if not len(slots) or int(slots.max() - slots.min()) < width:
+        start = window_start(slots, width, rows)
+        return start, start, np.zeros(len(slots), dtype=bool)
+    second = slots < rows - width
+    if (slots[second] >= width).any():
+        raise AneSpecError(f"one pass writes ring slots {sorted(slots.tolist())}; a slice-write "
+                           f"build (--kv-write slice) writes them in two windows of {width} "
+                           f"slots, at the ring's end and its start")
+    return rows - width, 0, second

@@ -9,7 +9,7 @@ import numpy as np
 
 from ane_spec.errors import AneSpecError, ManifestError, untrusted
 from ane_spec.runtime.backend import Precision
-from ane_spec.runtime.mil_interpreter import Kernels, MILInterpreter
+from ane_spec.runtime.mil_interpreter import Kernels, MILInterpreter, SharedConsts
 
 
 class MILProgram:
@@ -38,12 +38,17 @@ class MILBackend:
     def __init__(self, precision: Precision = "fp32", kernels: Kernels = "row"):
         self.precision: Precision = precision
         self.kernels: Kernels = kernels
+        # A layer package's decode and prefill functions share their weights: loaded as two
+        # programs, they hold each (float32, folded) weight once.
+        self.shared = SharedConsts()
 
-    def load(self, package: Path, *, sha256: str | None = None) -> MILProgram:
+    def load(self, package: Path, *, sha256: str | None = None,
+             function: str = "main") -> MILProgram:
         # sha256 keys Core ML's compiled-model cache; the interpreter compiles nothing.
         try:
             interp = MILInterpreter.from_package(package, precision=self.precision,
-                                                 kernels=self.kernels)
+                                                 function=function, kernels=self.kernels,
+                                                 shared=self.shared)
         except AneSpecError:
             raise
         except Exception as exc:  # noqa: BLE001: coremltools' parsers raise whatever they meet

@@ -24,10 +24,12 @@ Kernels:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
+import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -62,6 +64,29 @@ class InvalidInputError(AneSpecError, ValueError):
     """`predict` was called with inputs or states that do not match the program's declarations."""
 
 
+# Consts at least this large are shared by content (`SharedConsts`); smaller ones cost less to
+# keep twice than to hash.
+_SHARED_MIN_BYTES = 1 << 16
+
+
+@dataclass
+class SharedConsts:
+    """Large const values, and what the load-time folding makes of them, by content: the
+    interpreters of one package's functions (a layer package's decode and prefill functions
+    hold the same weights, stored once) hold each weight once, as float32, not once per
+    function. Weakly held: a value lives as long as some interpreter uses it."""
+
+    values: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
+
+    @staticmethod
+    def key(value: Any) -> tuple | None:
+        """A content key for a large array, None for anything small enough not to share."""
+        if not isinstance(value, np.ndarray) or value.nbytes < _SHARED_MIN_BYTES:
+            return None
+        digest = hashlib.blake2b(np.ascontiguousarray(value).view(np.uint8), digest_size=20)
+        return value.dtype.str, value.shape, digest.hexdigest()
+
+
 @dataclass(frozen=True)
 class _Step:
     """One runtime op: where its inputs come from and how to store its outputs."""
@@ -87,7 +112,7 @@ class MILInterpreter:
     @classmethod
     def from_package(
         cls, path: str | os.PathLike, precision: Precision = "fp32", function: str = "main",
-        kernels: Kernels = "row",
+        kernels: Kernels = "row", shared: SharedConsts | None = None,
     ) -> MILInterpreter:
         import coremltools as ct
         from coremltools.converters.mil.frontend.milproto.load import load
@@ -99,8 +124,16 @@ class MILInterpreter:
         if spec.WhichOneof("Type") != "mlProgram":
             raise MILLoadError(f"{path}: not an ML program (model type {spec.WhichOneof('Type')})")
         weights = os.path.join(path, "Data", "com.apple.CoreML", "weights")
+        functions = spec.mlProgram.functions
+        if function not in functions:
+            raise MILLoadError(f"{path}: no function {function!r}; have {sorted(functions)}")
+        # coremltools' loader parses (and reads the weights of) every function in the program:
+        # only the one asked for is kept, so a package's decode and prefill functions, loaded
+        # as two programs, cost one parse each instead of two.
+        for other in [name for name in functions if name != function]:
+            del functions[other]
         program = load(spec, spec.specificationVersion, weights)
-        interp = cls(program, precision, function, kernels)
+        interp = cls(program, precision, function, kernels, shared)
         interp._bounds = _shape_ranges(spec, function)
         return interp
 
@@ -112,7 +145,7 @@ class MILInterpreter:
         return cls(program, precision, function, kernels)
 
     def __init__(self, program: Program, precision: Precision, function: str,
-                 kernels: Kernels = "row") -> None:
+                 kernels: Kernels = "row", shared: SharedConsts | None = None) -> None:
         if precision not in _PRECISIONS:
             raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
         if kernels not in KERNELS:
@@ -121,6 +154,7 @@ class MILInterpreter:
         if function not in program.functions:
             raise MILLoadError(f"no function {function!r}; have {sorted(program.functions)}")
         self.precision: Precision = precision
+        self._shared = shared
         self._bounds: dict[str, tuple[tuple[int, int], ...]] = {}
         self._declare_io(program.functions[function])
         self._consts: dict[str, Any] = {}
@@ -161,20 +195,74 @@ class MILInterpreter:
 
     def _compile(self, fn: Any) -> None:
         """Walk the ops once: reject unsupported ones, fold everything computable now."""
+        keys: dict[str, tuple | None] = {}  # content keys of the shared consts, by var name
         for op in fn.operations:
             if op.op_type == "const":
-                self._consts[op.outputs[0].name] = self._const_value(op.outputs[0].val)
+                name, val = op.outputs[0].name, op.outputs[0].val
+                keys[name] = SharedConsts.key(val) if self._shared is not None else None
+                self._consts[name] = self._shared_value(
+                    keys[name] and ("const", keys[name]), lambda: self._const_value(val))
                 continue
             step = self._make_step(op)
             if not OPS[op.op_type].stateful and all(
                 _names_in(ref, self._consts) for ref in step.refs.values()
             ):
-                # constexpr_* ops, and anything else fed only by consts, run once here.
-                for name, value in zip(step.outputs, self._run_step(step, self._consts)):
-                    self._consts[name] = _upcast(value)
+                # constexpr_* ops, and anything else fed only by consts, run once here; a fold
+                # of shared consts is itself shared (same op, same inputs, same precision).
+                key = self._fold_key(step, keys)
+                for n, name in enumerate(step.outputs):
+                    keys[name] = key and (key, n)
+                values = self._shared_value(
+                    key and (key, 0),
+                    lambda: [_upcast(v) for v in self._run_step(step, self._consts)],
+                    many=len(step.outputs))
+                for name, value in zip(step.outputs, values):
+                    self._consts[name] = value
             else:
                 self._steps.append(step)
         self._drop_unused_consts()
+
+    def _fold_key(self, step: _Step, keys: Mapping[str, tuple | None]) -> tuple | None:
+        """What makes a load-time fold shareable: its op, its parameters (each a shared const's
+        key, or a small value itself) and the precision; None if any array input is unshared."""
+        if self._shared is None:
+            return None
+        parts: list[Any] = [step.op_type, self.precision]
+        shared = False
+        for param, ref in sorted(step.refs.items()):
+            for r in (ref,) if isinstance(ref, str) else ref:
+                if keys.get(r) is not None:
+                    parts.append((param, keys[r]))
+                    shared = True
+                    continue
+                value = self._consts[r]
+                if isinstance(value, np.ndarray) and value.nbytes >= _SHARED_MIN_BYTES:
+                    return None
+                parts.append((param, repr(value)))
+        parts.append(repr(sorted(step.defaults.items())))
+        return tuple(parts) if shared else None
+
+    def _shared_value(self, key: tuple | None, make: Any, many: int = 0) -> Any:
+        """`make()`, or the value another interpreter made under the same key. `many`: make
+        returns that many outputs, each held under (key[0], index)."""
+        if key is None or self._shared is None:
+            return make()
+        table = self._shared.values
+        if many:
+            found = [table.get((key[0], n)) for n in range(many)]
+            if all(v is not None for v in found):
+                return found
+            values = make()
+            for n, v in enumerate(values):
+                if isinstance(v, np.ndarray):
+                    table[(key[0], n)] = v
+            return values
+        value = table.get(key)
+        if value is None:
+            value = make()
+            if isinstance(value, np.ndarray):
+                table[key] = value
+        return value
 
     def _make_step(self, op: Any) -> _Step:
         opdef = OPS.get(op.op_type)

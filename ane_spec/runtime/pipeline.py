@@ -4,6 +4,12 @@ The manifest is the only thing read: which packages, in which layout, with which
 context window. A `PipelineState` holds one backend state per shard, i.e. one conversation.
 
 The decode shape (`decode_shape.DecodeShapePolicy`) decides how wide every pass is.
+
+A build with a prefill function (`build.prefill_t` P > 0) has a second program in every layer
+package: the same layers at a fixed T = P, sharing the decode program's weights and its state.
+`run_prefill` runs a prompt chunk of up to P tokens through it, layers only; only the chunk that
+holds the prompt's last token runs the LM head, on that one row, at the decode shape's width
+(which chunks use it is the decode layer's choice: `decode/prefill_plan.py`).
 """
 
 from __future__ import annotations
@@ -24,10 +30,18 @@ from ane_spec.errors import AneSpecError, ManifestError
 from ane_spec.manifests.schema import GRAPH_REVISION, OLDEST_RUNNABLE_GRAPH_REVISION
 from ane_spec.manifests.store import LoadedManifest
 from ane_spec.runtime.backend import Backend, LoadedProgram, start_backend
-from ane_spec.runtime.decode_shape import DecodeShape, DecodeShapePolicy
+from ane_spec.runtime.decode_shape import (
+    DecodeShape, DecodeShapePolicy, PrefillMode, check_prefill_mode,
+)
 from ane_spec.runtime.fp16_argmax import NonFiniteLogits, argmax
 from ane_spec.model.swa_ring import RingSlots
 from ane_spec.runtime.head_packages import SplitHead
+from ane_spec.runtime.hidden_layout import (
+    head_token_major,
+    repeat_row,
+    token_axis,
+    token_major,
+)
 from ane_spec.runtime.host_inputs import HostInputs
 
 
@@ -184,6 +198,9 @@ class ShardPipeline:
     # Core ML loads its programs in a worker process: at once (the CLI, probes), or when the
     # caller says (`start()`: the daemon, from its warm-up, so /health answers meanwhile).
     defer_start: bool = False
+    # Which prompt chunks use the build's prefill function (decode/prefill_plan.py): auto
+    # (where the measured costs say it pays), on (all), off (none).
+    prefill_mode: PrefillMode = "auto"
     shards: list[LoadedProgram] = field(init=False)
     heads: list[LoadedProgram] = field(init=False)  # the LM head's packages, vocabulary order
     head: SplitHead = field(init=False)             # all of them as one program
@@ -202,24 +219,35 @@ class ShardPipeline:
                 f"runs {runs} (older graphs can let one overflowing row change the output; newer "
                 "ones need a newer ane-spec): rebuild with `ane-spec build --force`")
         self.manifest = m
+        check_prefill_mode(self.prefill_mode)
         self.config = m.model
         self.max_seq = m.build.max_seq
         self.max_t = m.build.t_range[1]
         self.shape = DecodeShapePolicy(self.decode_shape, self.max_t)
         self.layout = m.build.layout
+        self.head_layout = m.build.head_layout
         self.head_argmax = m.build.head_argmax
         self.input_dtype = np.float32 if self.backend.precision == "fp32" else np.float16
         self.host = HostInputs(m.rope, self.max_seq, self.max_t, self.input_dtype,
                                rope_local=m.rope_local,
                                window=m.model.sliding_window if m.rope_local else 0,
-                               ring=m.build.swa_ring)
+                               ring=m.build.swa_ring, prefill_t=m.build.prefill_t,
+                               kv_write=m.build.kv_write)
         self.embeddings = Embeddings.load(self.loaded)
         refusal = q8_block_refusal(m.build.weights, getattr(self.backend, "compute_units", ""))
         if refusal:  # before any package is compiled or loaded
             raise AneSpecError(refusal)
         # The manifest's hashes key Core ML's compiled-model cache (no re-hashing 2 GB shards).
-        self.shards = [self.backend.load(self.loaded.path(s.file), sha256=s.file.sha256)
+        self.shards = [self.backend.load(self.loaded.path(s.file), sha256=s.file.sha256,
+                                         function=m.build.decode_function)
                        for s in m.shards]
+        # The same packages' prefill functions: one state (made by the decode program) serves
+        # both, as the packages declare the same states for both.
+        self.prefill_t = m.build.prefill_t
+        self.prefill_shards = [
+            self.backend.load(self.loaded.path(s.file), sha256=s.file.sha256,
+                              function=m.build.prefill_function)
+            for s in m.shards] if self.prefill_t else []
         self.heads = [self.backend.load(self.loaded.path(h.file), sha256=h.file.sha256)
                       for h in m.heads]
         self.head = SplitHead(self.heads, m.heads, self.loaded.file)
@@ -286,7 +314,11 @@ class ShardPipeline:
 
     def token_major(self, x: np.ndarray) -> np.ndarray:
         """A [T, channels] view of a hidden-layout array or head output (no copy)."""
-        return (x[0, :, :, 0] if self.layout == "BCT1" else x[0, :, 0, :]).T
+        return token_major(x, self.layout)
+
+    def head_major(self, x: np.ndarray) -> np.ndarray:
+        """A [T, V_i] view of one logits output of the head, in its build.head_layout."""
+        return head_token_major(x, self.layout, self.head_layout)
 
     def from_hidden(self, x: np.ndarray) -> np.ndarray:
         """Hidden layout (or a head output) -> [T, channels] float32."""
@@ -295,11 +327,119 @@ class ShardPipeline:
     # --- running -------------------------------------------------------------------------
 
     def run_shards(self, hidden: np.ndarray, inputs: dict[str, np.ndarray], state: PipelineState,
-                   shard_range: range | None = None) -> np.ndarray:
-        """Hidden states through the shards (all, or a range of them, for per-shard gates)."""
-        for n in shard_range or range(len(self.shards)):
-            hidden = self.shards[n].predict({"x": hidden, **inputs}, state.shard_states[n])["hidden"]
+                   shard_range: range | None = None, *, prefill: bool = False) -> np.ndarray:
+        """Hidden states through the shards (all, or a range of them, for per-shard gates): their
+        decode programs, or with `prefill` their prefill programs (on the same states)."""
+        programs = self.prefill_shards if prefill else self.shards
+        for n in shard_range or range(len(programs)):
+            hidden = programs[n].predict({"x": hidden, **inputs}, state.shard_states[n])["hidden"]
         return hidden
+
+    def require_prefill(self) -> int:
+        """The prefill function's width P; refuses a build without one."""
+        if not self.prefill_t:
+            raise AneSpecError("this build has no prefill function (built with --prefill-t 0, "
+                               "or before it existed): prompts run at the decode shape")
+        return self.prefill_t
+
+    def prefill_inputs(self, tokens: Sequence[int], position: int,
+                       state: PipelineState) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The hidden states and host inputs of one prefill chunk: `tokens` (1..P) at slots
+        position.., padded to P with rows that repeat the last token and write nothing."""
+        self.require_prefill()
+        if not 1 <= len(tokens) <= self.prefill_t:
+            raise AneSpecError(f"a prefill pass takes 1..{self.prefill_t} tokens, got "
+                               f"{len(tokens)}")
+        inputs = self.host.block(position, len(tokens), self.prefill_t, state.ring)
+        padded = [*tokens, *[tokens[-1]] * (self.prefill_t - len(tokens))]
+        self._check_tokens(padded)
+        return self.to_hidden(self.embeddings.lookup(padded)), inputs
+
+    def run_prefill(self, tokens: Sequence[int], position: int, state: PipelineState, *,
+                    head: bool) -> BlockOutput | None:
+        """One pass of the prefill function over `tokens` (1..P) written at slots position..
+        (padding rows write nothing), layers only. With `head`, the LM head then runs on the
+        chunk's last real row alone, repeated to the decode shape's width as a decode pass pads
+        (`pass_width(1)` rows; only row 0 is read): its logits are a one-row BlockOutput, the
+        prompt's first new token. Without, None: nothing past the layers is computed."""
+        t0 = time.perf_counter()
+        hidden, inputs = self.prefill_inputs(tokens, position, state)
+        last, width = len(tokens) - 1, self.shape.pass_width(1)
+        host = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        run_pass = getattr(self.backend, "run_pass", None)
+        if run_pass is not None and not (head and self.head_argmax):
+            # Core ML: the layers (and the row through the head) in one call to the worker
+            from ane_spec.runtime.coreml_worker import HeadRows
+
+            chunks = self.manifest.head_chunks
+            kept = run_pass(self.prefill_shards, state.shard_states, hidden, inputs,
+                            self.heads if head else [],
+                            HeadRows(tuple(f"logits_{i}" for i in range(len(chunks))),
+                                     tuple((int(a), int(b)) for a, b in chunks), self.layout,
+                                     self.head_layout),
+                            [0], head_row=(last, width))
+            if not head:
+                return None
+            result = BlockOutput(1, kept.read_row, read_argmax=kept.argmax)
+        else:
+            out = self.run_shards(hidden, inputs, state, prefill=True)
+            if not head:
+                return None
+            outputs = self.head.predict({"x": repeat_row(out, last, width, self.layout)})
+            result = None
+        backend = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        if result is None:
+            result = self._read_head(outputs, 1)
+        result.backend_seconds = backend
+        result.host_seconds = host + time.perf_counter() - t2
+        return result
+
+    def prefill_hidden(self, tokens: Sequence[int], position: int,
+                       state: PipelineState) -> np.ndarray:
+        """One pass of the prefill function over `tokens` (1..P) at slots position.., layers
+        only: the pass's output in the hidden layout, all P rows (the real rows first; padding
+        rows follow and mean nothing). For gates and probes that read every row's logits
+        (`head_rows`); decoding reads only the last row's (`run_prefill`)."""
+        hidden, inputs = self.prefill_inputs(tokens, position, state)
+        return self.run_shards(hidden, inputs, state, prefill=True)
+
+    def head_rows(self, hidden: np.ndarray, rows: Sequence[int], *,
+                  width: int | None = None) -> BlockOutput:
+        """The LM head's outputs for some hidden rows of a pass (indices along its token axis),
+        the head run on them as decode passes run it: up to max_t rows at a time, each group
+        padded to the decode shape's width by repeating its last row. Row i of the result is
+        `rows[i]`. For the prefill function's rows, whose pass is wider than the head's.
+        `width` pads every group to that width instead (probes comparing rows read one at a
+        time with rows read together, where the mixed decode shape would run T=1 and T=4)."""
+        axis = token_axis(self.layout)
+        groups: list[BlockOutput] = []
+        for first in range(0, len(rows), self.max_t):
+            group = [int(r) for r in rows[first:first + self.max_t]]
+            padded_to = width or self.shape.pass_width(len(group))
+            picked = group + [group[-1]] * (padded_to - len(group))
+            x = np.ascontiguousarray(np.take(hidden, picked, axis=axis))
+            groups.append(self._read_head(self.head.predict({"x": x}), len(group)))
+        if self.head_argmax:
+            return BlockOutput(len(rows), None,
+                               argmax=np.concatenate([g.argmax for g in groups]),
+                               max_logit=np.concatenate([g.max_logit for g in groups]))
+        return BlockOutput(len(rows),
+                           lambda i: groups[i // self.max_t].row_native(i % self.max_t))
+
+    def prefill_rows(self, tokens: Sequence[int], positions: Sequence[int],
+                     writes: Sequence[bool], state: PipelineState) -> np.ndarray:
+        """One pass of the prefill function over P arbitrary rows (token, position, writes its
+        slot or not), layers only: its output in the hidden layout (`head_rows` reads logits).
+        `run_rows` at the prefill function's width, for probes."""
+        if len(tokens) != len(positions) or len(tokens) != self.require_prefill():
+            raise AneSpecError(f"a prefill pass holds {self.prefill_t} rows, each with one "
+                               "token and one position")
+        inputs = self.host.rows(positions, writes, state.ring)
+        self._check_tokens(tokens)
+        return self.run_shards(self.to_hidden(self.embeddings.lookup(tokens)), inputs, state,
+                               prefill=True)
 
     def run(self, tokens: Sequence[int], position: int, state: PipelineState, *,
             width: int | None = None) -> BlockOutput:
@@ -328,12 +468,15 @@ class ShardPipeline:
         return self._run(tokens, self.host.rows(positions, writes, state.ring), state,
                          len(tokens), t0)
 
-    def _run(self, tokens: Sequence[int], inputs: dict[str, np.ndarray], state: PipelineState,
-             rows: int, t0: float) -> BlockOutput:
+    def _check_tokens(self, tokens: Sequence[int]) -> None:
         bad = [t for t in tokens if not 0 <= t < self.config.vocab_size]
         if bad:
             raise AneSpecError(f"token ids {bad[:5]} are outside the vocabulary "
                                f"0..{self.config.vocab_size - 1}")
+
+    def _run(self, tokens: Sequence[int], inputs: dict[str, np.ndarray], state: PipelineState,
+             rows: int, t0: float) -> BlockOutput:
+        self._check_tokens(tokens)
         hidden = self.to_hidden(self.embeddings.lookup(tokens))
         host = time.perf_counter() - t0
 
@@ -349,7 +492,8 @@ class ShardPipeline:
             chunks = self.manifest.head_chunks
             kept = run_pass(self.shards, state.shard_states, hidden, inputs, self.heads,
                             HeadRows(tuple(f"logits_{i}" for i in range(len(chunks))),
-                                     tuple((int(a), int(b)) for a, b in chunks), self.layout),
+                                     tuple((int(a), int(b)) for a, b in chunks), self.layout,
+                                     self.head_layout),
                             list(tokens[:rows]))
         else:
             outputs = self.head.predict({"x": self.run_shards(hidden, inputs, state)})
@@ -367,12 +511,13 @@ class ShardPipeline:
         """The first `rows` rows of the head's outputs: padding rows are never read."""
         chunks = self.manifest.head_chunks
         if not self.head_argmax:
-            views = [(start, end, self.token_major(outputs[f"logits_{i}"]))  # [T, V_i], no copy
+            views = [(start, end, self.head_major(outputs[f"logits_{i}"]))  # [T, V_i], no copy
                      for i, (start, end) in enumerate(chunks)]
 
             def read_row(r: int) -> np.ndarray:
                 # Core ML's [1, V_i, T, 1] buffers keep a row's logits T apart: one strided copy
-                # per chunk into a row in the head's own dtype.
+                # per chunk into a row in the head's own dtype (a vocab-last head's are
+                # contiguous: one plain copy).
                 row = np.empty(chunks[-1][1], dtype=views[0][2].dtype)
                 for start, end, view in views:
                     row[start:end] = view[r]
@@ -391,9 +536,14 @@ class ShardPipeline:
 
 
 def prefill_logits(pipeline: ShardPipeline, tokens: Sequence[int],
-                   state: PipelineState | None = None) -> np.ndarray:
-    """Logits [T, V] for `tokens` from position 0, run in blocks of T_max (the last one shorter,
-    padded in the fixed decode shape). Pass `state` to keep the filled KV slots for decoding."""
+                   state: PipelineState | None = None, *, prefill: bool = False) -> np.ndarray:
+    """Logits [T, V] for `tokens` from position 0. Pass `state` to keep the filled KV slots for
+    decoding.
+
+    By default in decode-shape passes of T_max tokens (the last one shorter, padded in the fixed
+    decode shape). With `prefill`, in passes of the build's prefill function (P tokens, the last
+    chunk padded to P), every row then run through the LM head (`head_rows`): what decoding
+    computes for the chunk's last row, for every row, so gates can compare each position."""
     if pipeline.head_argmax:
         raise AneSpecError("this build's head emits only argmax (--head-argmax); rebuild "
                            "without it to dump logits")
@@ -402,6 +552,13 @@ def prefill_logits(pipeline: ShardPipeline, tokens: Sequence[int],
                            f"{pipeline.max_seq}")
     state = state or pipeline.new_state()
     rows = []
+    if prefill:
+        p = pipeline.require_prefill()
+        for start in range(0, len(tokens), p):
+            chunk = tokens[start:start + p]
+            hidden = pipeline.prefill_hidden(chunk, start, state)
+            rows.append(pipeline.head_rows(hidden, range(len(chunk))).logits)
+        return np.concatenate(rows, axis=0)
     for start in range(0, len(tokens), pipeline.max_t):
         rows.append(pipeline.run(tokens[start:start + pipeline.max_t], start, state).logits)
     return np.concatenate(rows, axis=0)

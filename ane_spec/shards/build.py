@@ -11,6 +11,14 @@ The GGUF is read through a memory map for the whole build, so it must not change
 size and mtime are compared with those at open between steps, and a file that shrinks under a
 read (SIGBUS, which would kill the process without a word) ends the build with one line and
 no temporary folder. Tensors are checked to be finite as they are converted (weights.py).
+
+Order of work: the residual scale needs a calibration (the fp32 reference over every layer,
+residual_scale.py), but a shard's weights convert the same whatever it decides, since the factor
+is folded into them afterwards. On a model of scale_aside.ASIDE_MIN_PARAMETERS or more the
+calibration runs in a helper thread while the first shard's weights convert (scale_aside.py);
+the build waits for the decision before folding, before a shard's program, and before reusing
+a package of the previous build (fingerprints hold k). Each shard's line says how long it
+waited, and which functions its package holds.
 """
 
 from __future__ import annotations
@@ -46,11 +54,13 @@ from ane_spec.errors import AneSpecError, BuildError, ManifestError, one_line, u
 from ane_spec.manifests.schema import (
     GRAPH_REVISION,
     MAX_HEAD_PACKAGES,
+    MAX_PREFILL_T,
     BuildOptions,
     EmbeddingsEntry,
     HeadEntry,
     Manifest,
     QuantStats,
+    ResidualScale,
     ShardEntry,
     TensorQuant,
     SourceInfo,
@@ -62,22 +72,32 @@ from ane_spec.model.config import ModelConfig
 from ane_spec.model.gguf_file import GGUFModel, open_gguf
 from ane_spec.model.swa_ring import kv_state_bytes, ring_rows, uses_ring
 from ane_spec.shards.embeddings import write_embeddings
-from ane_spec.shards.layer_graph import CORRECT, GraphVariant, Layout, MaskForm
+from ane_spec.shards.frozen_heap import freeze_more, frozen_heap
+from ane_spec.shards import scale_aside
+from ane_spec.shards.kv_traffic import format_bytes, kv_traffic
+from ane_spec.shards.layer_graph import CORRECT, GraphVariant, LayerWeights, Layout, MaskForm
 from ane_spec.shards.layer_weights import finite_vector, layer_tensor_names, layer_weights
 from ane_spec.shards.residual_scale import (
     FoldCount,
-    decide as decide_residual_scale,
     fold_into_layer,
     parse_residual_scale,
     stream_eps,
 )
 from ane_spec.shards.output_dir import OutputLock, building_dir, recover, swap_into_place
 from ane_spec.shards.programs import (
+    DEFAULT_PREFILL_T,
     DEFAULT_T,
+    DECODE_FUNCTION,
+    HIDDEN_IN,
     MAX_T,
+    PREFILL_FUNCTION,
+    KVWrite,
+    HeadLayout,
     head_program,
+    kv_write_window,
     layer_program,
     save_package,
+    with_prefill,
 )
 from ane_spec.shards.static_checks import check_package
 from ane_spec.shards.topology import (
@@ -121,6 +141,12 @@ class BuildRequest(BaseModel):
     weights: WeightFormat = "auto"
     layout: Layout = "BCT1"
     mask_form: MaskForm = "select"   # layer_graph's module docstring: what additive gives up
+    # How layers write K/V (layer_graph.write_rows): the whole state each pass, or a window of
+    # the pass's width (slice_update at a host-given slot; its ANE residency is unproven).
+    kv_write: KVWrite = "scatter"
+    # The LM head's logits as [1, V_i, T, 1] (channels, the hidden layout's) or [1, T, V_i]
+    # (vocab-last, Anemll's): programs.HeadLayout.
+    head_layout: HeadLayout = "channels"
     # None: the default 4, or as many more as keep every chunk within MAX_HEAD_CHANNELS (Gemma's
     # 262,144 entries need 6), so no vocabulary needs the flag.
     head_chunks: int | None = None
@@ -134,9 +160,13 @@ class BuildRequest(BaseModel):
     # small; off: no calibration, no scaling; 2^K: that factor (residual_scale.py).
     residual_scale: str = "auto"
     name: str | None = None
-    # Sliding-window layers keep a ring of W + MAX_T K/V slots (model/swa_ring.py) instead of
-    # max_seq; False keeps them full-length (the layout before rings, for comparison).
+    # Sliding-window layers keep a ring of W + (widest pass) K/V slots (model/swa_ring.py)
+    # instead of max_seq; False keeps them full-length (the layout before rings, for comparison).
     swa_ring: bool = True
+    # T of each layer package's prefill function (programs.PREFILL_FUNCTION): prompts run in
+    # passes of this many rows, layers only. 0: no prefill function (prompts at the decode
+    # shape). None: DEFAULT_PREFILL_T, or max_seq where that is shorter.
+    prefill_t: int | None = None
 
 
 @dataclass
@@ -151,10 +181,13 @@ class BuildResult:
 
 def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
           request: BuildRequest = BuildRequest(), *, force: bool = False,
-          progress: Progress | None = None, variant: GraphVariant = CORRECT) -> BuildResult:
+          progress: Progress | None = None, variant: GraphVariant = CORRECT,
+          calibrate_aside: bool | None = None) -> BuildResult:
     """Build all artifacts for `gguf_path` into `out_dir` (see module docstring).
 
     `variant` exists only for the gates' tests, which need deliberately broken builds.
+    `calibrate_aside`: decide the residual scale beside the first shard's conversion (True),
+    before it (False), or by the model's size (None: scale_aside.py).
     """
     started = time.monotonic()
     if variant.mask_form not in (CORRECT.mask_form, request.mask_form):
@@ -165,6 +198,9 @@ def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
     say = progress or (lambda _msg: None)
     out = Path(out_dir)
     model = open_gguf(gguf_path)
+    if request.prefill_t is None:
+        request = request.model_copy(update={"prefill_t": min(DEFAULT_PREFILL_T,
+                                                              request.max_seq)})
     if request.head_chunks is None:
         request = request.model_copy(update={"head_chunks": max(
             DEFAULT_HEAD_CHUNKS, min_head_chunks(model.config.vocab_size))})
@@ -186,9 +222,10 @@ def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "shards").mkdir(parents=True)
             try:
-                with _sigbus_ends_build(model.path, out, litter=(tmp, lock.path)):
+                with _sigbus_ends_build(model.path, out, litter=(tmp, lock.path)), \
+                        frozen_heap():
                     result = _build_into(model, request, ranges, head_plan, out, tmp, say,
-                                         variant)
+                                         variant, calibrate_aside)
                     model.check_unchanged()
                 swap_into_place(tmp, out)
             except BaseException as exc:
@@ -226,40 +263,90 @@ def _drop_hidden_tracebacks(exc: BaseException) -> None:
 
 def _build_into(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int, int]],
                 head_plan: list[tuple[int, int]], out: Path, tmp: Path, say: Progress,
-                variant: GraphVariant) -> BuildResult:
+                variant: GraphVariant, calibrate_aside: bool | None) -> BuildResult:
+    with scale_aside.start(model, request.residual_scale, say, calibrate_aside) as pending:
+        return _build_with(model, request, ranges, head_plan, out, tmp, say, variant, pending)
+
+
+def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int, int]],
+                head_plan: list[tuple[int, int]], out: Path, tmp: Path, say: Progress,
+                variant: GraphVariant, pending: scale_aside.PendingScale) -> BuildResult:
     previous = _previous_build(out)
     result = BuildResult(manifest_path=out / "manifest.json")
-    say(f"hashing {model.path.name}")
-    source_sha, tensor_sha = model.content_hashes()
-    model.check_unchanged()
     options = _options(request, ranges, model.config)
-    residual = decide_residual_scale(model, request.residual_scale, say)
-    log2 = residual.log2_factor
-    say(describe_residual_scale(residual)[0])
+    hashes: tuple[str, dict[str, str]] | None = None
+    residual: ResidualScale | None = None
+
+    def hashed() -> tuple[str, dict[str, str]]:
+        nonlocal hashes
+        if hashes is None:
+            say(f"hashing {model.path.name}")
+            hashes = model.content_hashes()
+            model.check_unchanged()
+            pending.relay()
+        return hashes
+
+    def decided() -> ResidualScale:
+        nonlocal residual
+        if residual is None:
+            residual = pending.result()
+            freeze_more()   # torch's modules, imported by the calibration, are long-lived too
+            say(describe_residual_scale(residual)[0])
+        return residual
+
+    # Reuse needs the fingerprints (tensor hashes) first. A build with nothing to reuse and a
+    # calibration running aside hashes the file where it would otherwise wait for k: after
+    # the first shard's conversion.
+    if previous is not None or not pending.aside:
+        hashed()
+    if not pending.aside:
+        decided()
     shards = []
     for n, (a, b) in enumerate(ranges):
         label = f"shard {n + 1}/{len(ranges)} layers [{a},{b})"
-        fp = _fingerprint(options, request, ("layers", a, b), tensor_sha, model,
-                          [n for i in range(a, b) for n in layer_tensor_names(model.config, i)],
-                          variant, log2)
+        names = [t for i in range(a, b) for t in layer_tensor_names(model.config, i)]
+
+        def fingerprint(log2: int) -> str:
+            return _fingerprint(options, request, ("layers", a, b), hashed()[1], model, names,
+                                variant, log2)
+
         rel = f"shards/layers_{a:02d}_{b:02d}.mlpackage"
-        entry = _reuse(previous, fp, rel, tmp, ShardEntry)
+        # Fingerprints hold k, so reuse needs the decision; a shard no package of the previous
+        # build matches at that build's k (every package of a build has its one k) is built
+        # whatever k turns out to be, and its weights are converted while k is decided.
+        if residual is None and previous is not None and previous.has(fingerprint(previous.log2)):
+            decided()
+        entry = None if residual is None else _reuse(
+            previous, fingerprint(residual.log2_factor), rel, tmp, ShardEntry)
         if entry is not None:
             say(f"{label}: unchanged, reused")
             result.reused.append(rel)
             residual.inexact_values[rel] = previous.inexact.get(rel, 0)
         else:
-            t0 = time.monotonic()
+            t0, waited = time.monotonic(), pending.waited
+            choices: dict[str, TensorChoice] = {}
+            layers = _convert_layers(model, request, a, b, choices, pending.relay)
+            hashed()
+            log2 = decided().log2_factor
             fold = FoldCount()
-            entry = _build_shard(model, request, a, b, tmp, rel, fp, variant, log2, fold)
+            entry, functions = _build_shard(model, request, a, b, layers, choices, tmp, rel,
+                                            fingerprint(log2), variant, log2, fold)
             residual.inexact_values[rel] = fold.inexact
-            say(f"{label}: built in {time.monotonic() - t0:.1f}s, "
-                f"{entry.file.bytes / 2**20:,.1f} MiB, {_format_counts(entry.quant)}, worst "
-                f"weight cosine {entry.quant.worst_cosine:.6f}")
+            waiting = pending.waited - waited
+            say(f"{label}: built in {time.monotonic() - t0:.1f}s"
+                + (f" ({waiting:.1f}s of it waiting for the calibration)" if waiting >= 0.1
+                   else "")
+                + f", {entry.file.bytes / 2**20:,.1f} MiB, functions {functions}, "
+                f"{_format_counts(entry.quant)}, worst weight cosine "
+                f"{entry.quant.worst_cosine:.6f}")
             result.built.append(rel)
         model.check_unchanged()
+        pending.relay()
         shards.append(entry)
 
+    residual = decided()  # a build of reused shards only (or of none) has not asked yet
+    log2 = residual.log2_factor
+    source_sha, tensor_sha = hashed()
     chunks = head_chunk_bounds(model.config.vocab_size, request.head_chunks, request.head_argmax)
     if len(head_plan) > 1:
         say(f"LM head: {len(chunks)} chunks over --max-head-mb {request.max_head_mb:g}, split "
@@ -322,7 +409,7 @@ def _build_into(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
         embeddings=embeddings, residual_scale=residual)
     write_manifest(manifest, tmp)
     result.summary = (quant_summary(manifest) + ring_summary(manifest)
-                      + describe_residual_scale(residual))
+                      + kv_write_summary(manifest) + describe_residual_scale(residual))
     return result
 
 
@@ -387,6 +474,13 @@ def _validate(model: GGUFModel, r: BuildRequest) -> list[tuple[int, int]]:
     if r.max_seq > c.context_length:
         raise BuildError(f"--max-seq {r.max_seq} exceeds the model's context length "
                          f"{c.context_length}")
+    if r.prefill_t and not MAX_T < r.prefill_t <= min(MAX_PREFILL_T, r.max_seq):
+        raise BuildError(f"--prefill-t {r.prefill_t} must be 0 (no prefill function) or from "
+                         f"{MAX_T + 1} to {min(MAX_PREFILL_T, r.max_seq)} (at most "
+                         f"{MAX_PREFILL_T} and at most --max-seq)")
+    if r.head_layout != "channels" and r.head_argmax:
+        raise BuildError(f"--head-layout {r.head_layout} needs a logits head: --head-argmax "
+                         "emits one value per row, which has no vocabulary axis to move")
     if not 1 <= r.head_chunks <= c.vocab_size:
         raise BuildError(f"--head-chunks {r.head_chunks} must be between 1 and the vocabulary "
                          f"size {c.vocab_size}")
@@ -459,12 +553,31 @@ def ring_summary(m: Manifest) -> list[str]:
             f"({full / 2**20:,.2f} MiB full-length)"]
 
 
+def kv_write_summary(m: Manifest) -> list[str]:
+    """What each pass's K/V write moves in this build's form, beside the other form's figure."""
+    b, c = m.build, m.model
+    other = "scatter" if b.kv_write == "slice" else "slice"
+    traffic = {form: kv_traffic(c, b.max_seq, form, kv_write_window(None), b.swa_ring)
+               for form in (b.kv_write, other)}
+
+    def moved(form: str) -> str:
+        t = traffic[form]
+        return f"{format_bytes(t.write_read)} read + {format_bytes(t.write_written)} written"
+
+    attention = traffic[b.kv_write].attention_read
+    return [f"K/V write ({b.kv_write}) per decode pass: {moved(b.kv_write)} ({other}: "
+            f"{moved(other)}); attention reads {format_bytes(attention)} in both"]
+
+
 def ring_size(c: ModelConfig, r: BuildRequest) -> int:
     """The local layers' K/V ring (0: full-length states): only for models with sliding-window
-    layers, when asked, and where the ring is shorter than the context."""
-    if not (r.swa_ring and c.has_local_layers and uses_ring(c.sliding_window, MAX_T, r.max_seq)):
+    layers, when asked, and where the ring is shorter than the context. It holds the window
+    and the widest pass: a prefill chunk of --prefill-t rows, or a decode block."""
+    widest = max(MAX_T, r.prefill_t or 0)
+    if not (r.swa_ring and c.has_local_layers and uses_ring(c.sliding_window, widest,
+                                                            r.max_seq)):
         return 0
-    return ring_rows(c.sliding_window, MAX_T)
+    return ring_rows(c.sliding_window, widest)
 
 
 def _options(r: BuildRequest, ranges: list[tuple[int, int]], c: ModelConfig) -> BuildOptions:
@@ -475,7 +588,10 @@ def _options(r: BuildRequest, ranges: list[tuple[int, int]], c: ModelConfig) -> 
                         head_chunks=len(head_chunk_bounds(vocab_size, r.head_chunks,
                                                           r.head_argmax)),
                         head_argmax=r.head_argmax, min_weight_cosine=r.min_weight_cosine,
-                        mask_form=r.mask_form)
+                        mask_form=r.mask_form, kv_write=r.kv_write,
+                        head_layout=r.head_layout, decode_function=DECODE_FUNCTION,
+                        prefill_function=PREFILL_FUNCTION if r.prefill_t else None,
+                        prefill_t=r.prefill_t or 0)
 
 
 def _fingerprint(options: BuildOptions, r: BuildRequest, what: tuple, tensor_sha: dict[str, str],
@@ -496,6 +612,12 @@ def _fingerprint(options: BuildOptions, r: BuildRequest, what: tuple, tensor_sha
     }
     if residual_log2:  # absent when unscaled: earlier builds' fingerprints stay valid
         relevant["residual_log2"] = residual_log2
+    if what[0] == "layers" and options.prefill_t:  # likewise: only where there is one
+        relevant["prefill_t"] = options.prefill_t
+    if what[0] == "layers" and options.kv_write != "scatter":  # likewise: heads do not change
+        relevant["kv_write"] = options.kv_write
+    if what[0] == "head" and options.head_layout != "channels":  # likewise: layers do not change
+        relevant["head_layout"] = options.head_layout
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()
 
 
@@ -506,6 +628,10 @@ class PreviousBuild:
     root: Path
     entries: dict[str, ShardEntry | HeadEntry]
     inexact: dict[str, int] = field(default_factory=dict)  # residual fold, per package path
+    log2: int = 0   # the residual scale its packages were built with (all of them)
+
+    def has(self, fingerprint: str) -> bool:
+        return fingerprint in self.entries
 
 
 def _previous_build(out: Path) -> PreviousBuild | None:
@@ -518,7 +644,8 @@ def _previous_build(out: Path) -> PreviousBuild | None:
     entries: dict[str, ShardEntry | HeadEntry] = {s.fingerprint: s for s in m.shards}
     entries.update({h.fingerprint: h for h in m.heads})
     inexact = m.residual_scale.inexact_values if m.residual_scale is not None else {}
-    return PreviousBuild(out, entries, dict(inexact))
+    log2 = m.residual_scale.log2_factor if m.residual_scale is not None else 0
+    return PreviousBuild(out, entries, dict(inexact), log2)
 
 
 def _reuse(previous: PreviousBuild | None, fp: str, rel: str, tmp: Path, kind: type):
@@ -544,17 +671,28 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def _build_shard(model: GGUFModel, r: BuildRequest, a: int, b: int, tmp: Path, rel: str,
-                 fp: str, variant: GraphVariant, residual_log2: int = 0,
-                 fold: FoldCount | None = None) -> ShardEntry:
-    choices: dict[str, TensorChoice] = {}
-    c = model.config
+def _convert_layers(model: GGUFModel, r: BuildRequest, a: int, b: int,
+                    choices: dict[str, TensorChoice], between: Callable[[], None]
+                    ) -> list[LayerWeights]:
+    """Layers a..b-1's weights in their stored formats, unscaled (the residual fold comes
+    after: it does not change which format a tensor gets, and the cosines recorded in `choices`
+    are of the unscaled weights). `between` runs after each layer (progress)."""
     layers = []
     for i in range(a, b):
-        # The cosines (choices) are of the unscaled weights: the fold scales by 2^k afterwards.
-        lw, n = fold_into_layer(layer_weights(model, i, r.weights, choices, r.min_weight_cosine),
-                                c.arch, c.rms_eps, residual_log2, i)
-        layers.append(lw)
+        layers.append(layer_weights(model, i, r.weights, choices, r.min_weight_cosine))
+        between()
+    return layers
+
+
+def _build_shard(model: GGUFModel, r: BuildRequest, a: int, b: int, layers: list[LayerWeights],
+                 choices: dict[str, TensorChoice], tmp: Path, rel: str, fp: str,
+                 variant: GraphVariant, residual_log2: int = 0,
+                 fold: FoldCount | None = None) -> tuple[ShardEntry, str]:
+    """The shard package of `layers` (converted, unscaled; this list is emptied), folded by
+    2^residual_log2. Returns its entry and the functions it holds, in words."""
+    c = model.config
+    for j in range(len(layers)):   # in place: an fp16 tensor's unscaled copy is freed at once
+        layers[j], n = fold_into_layer(layers[j], c.arch, c.rms_eps, residual_log2, a + j)
         if fold is not None:
             fold.add(n)
     quant = _quant_stats(r, choices)
@@ -567,12 +705,35 @@ def _build_shard(model: GGUFModel, r: BuildRequest, a: int, b: int, tmp: Path, r
                          + (f" ({len(fp16)} tensor(s) fell back to fp16, e.g. '{fp16[0]}')"
                             if fp16 else "")
                          + "; give it fewer layers with --topology")
-    holder = [layer_program(a, layers, model.config, r.max_seq, r.layout, variant,
-                            ring=ring_size(model.config, r))]
-    del layers
-    ref, (inputs, outputs, states) = _save_checked(holder, tmp, rel, "layers", r.weights)
+    ring = ring_size(model.config, r)
+    program = layer_program(a, layers, model.config, r.max_seq, r.layout, variant, ring=ring,
+                            kv_write=r.kv_write)
+    if r.prefill_t:  # the same layers (the same weight arrays) at T = P, saved alongside
+        program = with_prefill(program, layer_program(a, layers, model.config, r.max_seq,
+                                                      r.layout, variant, ring=ring,
+                                                      tokens=r.prefill_t, kv_write=r.kv_write))
+    holder = [program]
+    layers.clear()
+    del program
+    functions = describe_functions(holder[0])
+    ref, (inputs, outputs, states) = _save_checked(holder, tmp, rel, "layers", r.weights,
+                                                   prefill_t=r.prefill_t or 0)
     return ShardEntry(layers=(a, b), file=ref, inputs=inputs, outputs=outputs, states=states,
-                      quant=quant, fingerprint=fp)
+                      quant=quant, fingerprint=fp), functions
+
+
+def describe_functions(prog: Program) -> str:
+    """The functions a program holds and the token counts each takes, e.g. `main (T 1..4)`:
+    the axis of the hidden input that is flexible in `main` is the token axis, and another
+    function (a fixed-T prefill) states its own size there."""
+    main = prog.functions["main"].inputs[HIDDEN_IN].shape
+    axis = next(k for k, d in enumerate(main) if not isinstance(d, (int, np.integer)))
+    words = []
+    for name, func in prog.functions.items():
+        t = func.inputs[HIDDEN_IN].shape[axis]
+        words.append(f"{name} (T {int(t)})" if isinstance(t, (int, np.integer))
+                     else f"{name} (T 1..{MAX_T})")
+    return ", ".join(words)
 
 
 def _build_head(model: GGUFModel, r: BuildRequest, tmp: Path, rel: str, fp: str,
@@ -607,6 +768,7 @@ def _build_head(model: GGUFModel, r: BuildRequest, tmp: Path, rel: str, fp: str,
     norm = finite_vector(model.tensor("output_norm.weight"))
     # output_norm reads the (scaled) stream: eps * s^2; its weight and the head are unchanged.
     holder = [head_program(norm, weights, c, r.layout, r.head_argmax, first_chunk=first,
+                           head_layout=r.head_layout,
                            eps=stream_eps(c.rms_eps, residual_log2) if residual_log2 else None)]
     del weights
     ref, (inputs, outputs, _) = _save_checked(holder, tmp, rel, "head", r.weights)
@@ -654,7 +816,8 @@ def head_chunk_bounds(vocab_size: int, head_chunks: int, argmax: bool) -> list[t
     return [(int(s), int(e)) for s, e in zip(bounds[:-1], bounds[1:])]
 
 
-def _save_checked(holder: list[Program], tmp: Path, rel: str, kind: str, weights: WeightFormat):
+def _save_checked(holder: list[Program], tmp: Path, rel: str, kind: str, weights: WeightFormat,
+                  prefill_t: int = 0):
     """Record the interface, write the package, free the program's weights before the static
     checks read the package back, and hash it for the manifest.
 
@@ -676,7 +839,7 @@ def _save_checked(holder: list[Program], tmp: Path, rel: str, kind: str, weights
                          f"({free / 2**20:,.1f} MiB free where the build is written)") from None
     del prog
     gc.collect()
-    check_package(path, kind=kind, weights=weights)
+    check_package(path, kind=kind, weights=weights, prefill_t=prefill_t)
     return file_ref(tmp, path), interface
 
 

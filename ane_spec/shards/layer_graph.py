@@ -11,6 +11,7 @@ every architecture; layer_weights.py maps each family's tensors onto it. Per lay
                                               (NEOX; NORM files arrive with q/k rows reordered)
     k, v = finite(k), finite(v)               inf -> +-65504, NaN -> 0 (see below)
     K = K * (1 - rowsum(W)) + W @ k           W = kv_write_mask [1, 1, S, T]: T one-hot rows
+                                              (--kv-write slice: over a window only, below)
     s = select(visible, q K^T / sqrt(hd), -32768)   over all S slots, GQA by reshaping q's heads
     o = softmax(s) V
     x = x + conv(o as [head, dim, token])     the flatten order seeds/003 got wrong once
@@ -58,10 +59,28 @@ cache for good; (2) a hidden score more than ~32750 above the row's largest visi
 from a slot holding FP16_MAX K rows) gets weight, or NaN. The overflow probe shows both and
 reports them as the additive form's known exposure (probes/overflow.py); the doctor's mask-ops
 check says which form a Mac should use (probes/mask_ops.py).
+
+Two K/V write forms (`ane-spec build --kv-write`, manifest build.kv_write; the shard's inputs
+carry it, not `GraphVariant`, whose repr is in every fingerprint). `scatter` (the default) is the line above over all S slots: every pass reads
+and writes each layer's whole K and V (shards/kv_traffic.py counts it: 256 MiB each way per pass
+for Phi-4-mini at S = 2048). `slice` (`window_rows`) writes only a window of the program's
+width (4 slots in the decode program, P in the prefill function) that the host places over the
+slots the pass writes (`kv_write_start`): the window is read (slice_by_size), rewritten with the
+same algebra over its own [width, T] one-hot, and put back (slice_update). Why a window with a
+one-hot rather than Anemll's "the T rows at the position": rows that write nothing (padding,
+the probes' fillers at other positions) then write nothing here either, a window slot no row
+writes keeps its value, and near the end of the context the window starts at S - width instead
+of running past the state, so the state after every pass equals the scatter's and no other
+rule changes (rejected drafts still land only in slots the mask hides and a later pass
+overwrites). A ring layer (model/swa_ring.py) gets two windows, applied in turn: a block that
+wraps writes its last slots in one at the ring's end and the wrapped ones in one at slot 0.
+Dynamic slice_update on a state has ANE crash reports (apple/coreai-torch#6) and no residency
+measurement here, which is why it is a build option and not the default.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -97,6 +116,21 @@ class LayerWeights:
 
 
 @dataclass
+class SlotWindow:
+    """Where a slice-form K/V write lands: `width` consecutive slots of a state from a first
+    slot the host picks per pass (runtime/host_inputs.py), and which row writes which slot."""
+
+    begin: Var  # int32 [4]: (0, 0, first slot, 0)
+    end: Var    # int32 [4]: begin + width on the slot axis (the other axes are masked)
+    write: Var  # [1, 1, width, T] one-hot: window slot <- row (an all-zero row: not written)
+    keep: Var   # [1, 1, width, 1]: 1 - rowsum(write)
+
+    @property
+    def width(self) -> int:
+        return int(self.write.shape[2])
+
+
+@dataclass
 class BlockInputs:
     """The host-fed tensors every layer of a shard shares."""
 
@@ -104,10 +138,13 @@ class BlockInputs:
     sin: Var
     attn_mask: Var  # [1, 1, T, S]: 0 visible, MASK_VALUE hidden (added in the additive form)
     visible: Var | None  # [1, 1, T, S] bool: attn_mask >= 0 (select form; None in additive)
-    write: Var      # [1, 1, S, T]
-    keep: Var       # [1, 1, S, 1]: 1 - rowsum(write), computed once per shard
+    write: Var | None  # [1, 1, S, T] (None in the slice form)
+    keep: Var | None   # [1, 1, S, 1]: 1 - rowsum(write), computed once per shard
     # Sliding-window layers' RoPE tables and visibility (models with local layers only).
     local: "BlockInputs | None" = None
+    # The slice form (`ane-spec build --kv-write slice`): the windows the K/V rows are written
+    # into, in order (a ring's block that wraps needs two); empty in the scatter form.
+    windows: tuple["SlotWindow", ...] = ()
 
     def for_layer(self, local: bool) -> "BlockInputs":
         """The inputs layer reads: the local tables and mask for a sliding-window layer."""
@@ -261,6 +298,44 @@ def scatter_rows(state: Var, rows: Var, io: BlockInputs, name: str, clean: bool 
     return mb.add(x=mb.mul(x=state, y=io.keep), y=placed, name=name)
 
 
+# slice_by_index / slice_update masks that leave only the slot axis to begin and end.
+_SLOT_AXIS_ONLY = [True, True, False, True]
+
+
+def window_rows(state: Var, rows: Var, windows: Sequence[SlotWindow], name: str) -> Var:
+    """The slice form of the K/V write: each window's slots are read, rewritten the way the
+    scatter rewrites a slot (`old * keep + W @ rows` over the window's one-hot W), and put back
+    with slice_update; no other slot is read or written. `rows` are already finite.
+
+    Exactness against `scatter_rows`: a written slot becomes old * 0 + row = row, an unwritten
+    one in a window old * 1 + 0 = old, in both forms, and a slot outside every window keeps its
+    value, where the scatter writes old * 1 + 0 = old: the state after every pass is the
+    scatter build's, value for value (only the sign of a zero may differ, which no later sum,
+    product or comparison can tell), so the attention and every logit are too. Windows are
+    applied in order, each reading what the previous one wrote (a ring's block that wraps
+    spans two; the second keeps the slots the first wrote)."""
+    kv, hd = state.shape[1], state.shape[3]
+    for n, w in enumerate(windows):
+        old = mb.slice_by_size(x=state, begin=w.begin, size=[1, kv, w.width, hd])
+        new = mb.add(x=mb.mul(x=old, y=w.keep), y=mb.matmul(x=w.write, y=rows))
+        last = n == len(windows) - 1
+        state = mb.slice_update(x=state, update=new, begin=w.begin, end=w.end,
+                                begin_mask=_SLOT_AXIS_ONLY, end_mask=_SLOT_AXIS_ONLY,
+                                name=name if last else f"{name}_{n}")
+    return state
+
+
+def write_rows(state: Var, rows: Var, io: BlockInputs, name: str, clean: bool = True,
+               mask_form: MaskForm = "select") -> Var:
+    """The K/V write of the build's form: the whole state (`scatter_rows`), or only the windows
+    the host picked (`window_rows`). `rows` are made finite first in both."""
+    if not io.windows:
+        return scatter_rows(state, rows, io, name, clean, mask_form)
+    if clean:
+        rows = finite_rows(rows, name + "_rows", mask_form)
+    return window_rows(state, rows, io.windows, name)
+
+
 def hide_slots(scores: Var, visible: Var) -> Var:
     """Select, not add: a hidden slot's score is HIDDEN_SCORE whatever q.K gave there, inf or
     NaN included (a rejected draft's slot may hold FP16_MAX K rows)."""
@@ -379,9 +454,9 @@ def decoder_layer(x: Var, i: int, w: LayerWeights, io: BlockInputs, k_state: Var
     # Attention reads what coreml_update_state returns: the canonical in-place pattern that
     # coremltools' state passes expect (reading the pre-update var breaks them).
     clean, form = not variant.unclean_kv_write, variant.mask_form
-    keys = mb.coreml_update_state(state=k_state, value=scatter_rows(
+    keys = mb.coreml_update_state(state=k_state, value=write_rows(
         mb.read_state(input=k_state), k, io, p + "k_new", clean, form))
-    values = mb.coreml_update_state(state=v_state, value=scatter_rows(
+    values = mb.coreml_update_state(state=v_state, value=write_rows(
         mb.read_state(input=v_state), v, io, p + "v_new", clean, form))
 
     additive = variant.additive_mask or form == "additive"

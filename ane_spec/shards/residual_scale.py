@@ -177,15 +177,28 @@ def decide(model: GGUFModel, setting: str, say: Callable[[str], None]) -> Residu
     margins as the fp16 program will hold them. `inexact_values` is filled in as the build
     folds."""
     setting = parse_residual_scale(setting)
-    ranges = None
-    if setting != "off":
-        try:
-            ranges = measure_activations(model, progress=say)
-        except ValueError as exc:
-            if isinstance(exc, NonFiniteActivations):  # usually a corrupt file: name the
-                for tensor in model.tensors.values():  # tensor, as the conversion would have
-                    check_tensor_finite(tensor)
-            raise BuildError(f"activation calibration failed: {exc}") from None
+    return record(model, setting, calibrate(model, setting, say))
+
+
+def calibrate(model: GGUFModel, setting: str, say: Callable[[str], None],
+              checkpoint: Callable[[], None] | None = None) -> ActivationRanges | None:
+    """The activation ranges `setting` needs: None for `off`, else the fp32 reference's
+    (activation_range.py, which calls `checkpoint` as it goes). A failure is one BuildError
+    line; what `checkpoint` raises passes through."""
+    if setting == "off":
+        return None
+    try:
+        return measure_activations(model, progress=say, checkpoint=checkpoint)
+    except ValueError as exc:
+        if isinstance(exc, NonFiniteActivations):  # usually a corrupt file: name the
+            for tensor in model.tensors.values():  # tensor, as the conversion would have
+                check_tensor_finite(tensor)
+        raise BuildError(f"activation calibration failed: {exc}") from None
+
+
+def record(model: GGUFModel, setting: str, ranges: ActivationRanges | None) -> ResidualScale:
+    """The manifest's record of the decision: k from `setting` and `ranges`, the stream's eps,
+    the calibration and both margins as the fp16 program holds them."""
     log2 = requested_log2(setting, ranges)
     calibration = None
     if ranges is not None:

@@ -13,9 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import coremltools as ct
+import numpy as np
 from coremltools.proto import MIL_pb2
 
-from ane_spec.errors import BuildError
+from ane_spec.errors import AneSpecError, BuildError
+from ane_spec.package_spec import function_description, package_functions
+from ane_spec.shards.programs import KV_WRITE_START
 from ane_spec.shards.weights import WeightFormat
 
 LAYER_OPS = frozenset({
@@ -27,6 +30,8 @@ LAYER_OPS = frozenset({
     "clip", "equal", "select", "greater_equal",
     # A saved package stores each coreml_update_state as write_state followed by read_state.
     "write_state",
+    # The slice-form K/V write (--kv-write slice): a window read, then put back.
+    "slice_by_size", "slice_update",
 })
 HEAD_OPS = LAYER_OPS | {"reduce_argmax"}
 # Values a package may hold: fp16 compute, int8 weight payloads, int32 shapes/axes/argmax indices,
@@ -58,11 +63,23 @@ class PackageFacts:
     # constexpr_lut_to_dense
     enumerated_inputs: list[str] = field(default_factory=list)  # inputs with EnumeratedShapes
     io_dtypes: dict[str, str] = field(default_factory=dict)  # model input/output name -> dtype
+    # The function's shapes, for limits that depend on them (ane_limits; a prefill function's
+    # token axis is its fixed T, the decode function's is symbolic, -1). Weights (const and
+    # constexpr_* outputs) are not computed tensors and are left out.
+    output_shapes: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
+    # op output name -> (op type, dims)
+    reductions: list[tuple[str, str, int]] = field(default_factory=list)
+    # (output name, "conv"|"matmul", how many products each output element sums; -1 unknown)
+    argmax_widths: list[tuple[str, int]] = field(default_factory=list)
+    # (output name, length of the axis each reduce_argmax searches; -1 unknown)
 
 
-def read_package_facts(path: Path) -> PackageFacts:
+def read_package_facts(path: Path, function: str = "main") -> PackageFacts:
     spec = ct.models.MLModel(str(path), skip_model_load=True).get_spec()
-    desc = spec.description
+    try:
+        desc = function_description(spec, function)
+    except AneSpecError as exc:
+        raise BuildError(f"{path.name}: {exc}") from None
     inputs = {}
     for i in desc.input:
         arr = i.type.multiArrayType
@@ -80,9 +97,12 @@ def read_package_facts(path: Path) -> PackageFacts:
                                "multiArrayType" and i.type.multiArrayType.WhichOneof(
                                    "ShapeFlexibility") == "enumeratedShapes"]
 
-    func = spec.mlProgram.functions["main"]
+    func = spec.mlProgram.functions[function]
     block = func.block_specializations[func.opset]
     produced: dict[str, tuple[str, str, list[int], list[int] | None]] = {}
+    dims = {i.name: _dims(i.type) for i in func.inputs if i.type.WhichOneof("type") ==
+            "tensorType"}
+    scalars: dict[str, object] = {}  # const op output -> its value, where a scalar
     for op in block.operations:
         facts.ops[op.type] += 1
         if not op.outputs:  # e.g. coreml_update_state whose result nothing reads
@@ -90,7 +110,20 @@ def read_package_facts(path: Path) -> PackageFacts:
         for o in op.outputs:
             if o.type.WhichOneof("type") == "tensorType":
                 facts.output_dtypes[o.name] = _tensor_dtype(o.type)
+                dims[o.name] = _dims(o.type)
+                if op.type != "const" and not op.type.startswith("constexpr_"):
+                    facts.output_shapes[o.name] = (op.type, dims[o.name])
         out = op.outputs[0]
+        if op.type == "const":
+            scalars[out.name] = _scalar(op.attributes["val"]) if "val" in op.attributes else None
+        elif op.type == "matmul":
+            facts.reductions.append((out.name, "matmul", _matmul_depth(op, dims, scalars)))
+        elif op.type == "reduce_argmax":
+            shape = dims.get(_arg_name(op, "x") or "", [])
+            axis = _arg_value(op, "axis", scalars)
+            width = (shape[int(axis)] if isinstance(axis, int) and -len(shape) <= axis <
+                     len(shape) else -1)
+            facts.argmax_widths.append((out.name, width))
         if op.type == "const":
             produced[out.name] = ("const", _tensor_dtype(out.type), _dims(out.type), None)
         elif op.type == "constexpr_blockwise_shift_scale":
@@ -107,19 +140,91 @@ def read_package_facts(path: Path) -> PackageFacts:
         elif op.type == "conv":
             src = _source(op, "weight", produced)
             facts.conv_weights.append((out.name, src[1], src[2], src[3]))
+            # [C_out, C_in / groups, kH, kW]: each output sums C_in / groups x kH x kW products.
+            kernel = src[2][1:]
+            depth = (int(np.prod(kernel)) if len(kernel) == 3 and min(kernel) > 0 else -1)
+            facts.reductions.append((out.name, "conv", depth))
     return facts
 
 
-def check_package(path: Path, *, kind: str, weights: WeightFormat, max_t: int = 4) -> PackageFacts:
-    """Raise BuildError naming every violation; return the facts for the manifest."""
-    facts = read_package_facts(path)
-    problems: list[str] = []
+def _arg_name(op: MIL_pb2.Operation, name: str) -> str | None:
+    if name not in op.inputs or not op.inputs[name].arguments:
+        return None
+    binding = op.inputs[name].arguments[0]
+    return binding.name if binding.WhichOneof("binding") == "name" else None
 
+
+def _arg_value(op: MIL_pb2.Operation, name: str, scalars: dict[str, object]) -> object:
+    """A scalar argument's value, given inline or by a const op; None if absent or unknown."""
+    if name not in op.inputs or not op.inputs[name].arguments:
+        return None
+    binding = op.inputs[name].arguments[0]
+    if binding.WhichOneof("binding") == "name":
+        return scalars.get(binding.name)
+    return _scalar(binding.value)
+
+
+def _scalar(value: MIL_pb2.Value) -> object:
+    """A scalar bool or int stored immediately in a Value; None for anything else."""
+    if value.WhichOneof("value") != "immediateValue":
+        return None
+    tensor = value.immediateValue.tensor
+    for kind in ("bools", "ints", "longInts"):
+        values = getattr(tensor, kind).values
+        if len(values) == 1:
+            return bool(values[0]) if kind == "bools" else int(values[0])
+    return None
+
+
+def _matmul_depth(op: MIL_pb2.Operation, dims: dict[str, list[int]],
+                  scalars: dict[str, object]) -> int:
+    """The length of the axis matmul sums over: x's last axis (its second last, transposed)."""
+    x = dims.get(_arg_name(op, "x") or "", [])
+    if len(x) < 2:
+        return -1
+    return x[-2] if _arg_value(op, "transpose_x", scalars) is True else x[-1]
+
+
+def check_package(path: Path, *, kind: str, weights: WeightFormat, max_t: int = 4,
+                  prefill_t: int = 0) -> PackageFacts:
+    """Raise BuildError naming every violation; return the facts for the manifest (of the
+    default function). `prefill_t` > 0: the package must also hold the prefill function, the
+    same program at that fixed T, with the same states."""
+    spec = ct.models.MLModel(str(path), skip_model_load=True).get_spec()
+    functions = package_functions(spec)
+    want = ["main", "prefill"] if prefill_t else ["main"]
+    if functions != want:
+        raise BuildError(f"static checks failed for {path.name}: it holds the functions "
+                         f"{functions}, not {want}")
+    facts = read_package_facts(path)
+    problems = _function_problems(facts, kind, weights, flexible_t=max_t)
+    if prefill_t:
+        prefill = read_package_facts(path, "prefill")
+        problems += [f"prefill: {p}" for p in _function_problems(prefill, kind, weights,
+                                                                   fixed_t=prefill_t)]
+        if prefill.states != facts.states:
+            problems.append("the prefill function's states differ from main's: one state "
+                            "could not serve both")
+    if problems:
+        raise BuildError(f"static checks failed for {path.name}:\n  - " + "\n  - ".join(problems))
+    return facts
+
+
+def _function_problems(facts: PackageFacts, kind: str, weights: WeightFormat, *,
+                       flexible_t: int = 0, fixed_t: int = 0) -> list[str]:
+    """One function's violations: its token axis is one RangeDim(1, flexible_t) shared by every
+    input, or (fixed_t) the same axis at that fixed size with no range at all."""
+    problems: list[str] = []
     for name, (shape, ranges) in facts.inputs.items():
+        if fixed_t:
+            if any(lo != hi for lo, hi in ranges) or fixed_t not in shape:
+                problems.append(f"input '{name}' must have a fixed shape with a {fixed_t}-row "
+                                f"token axis, has shape {shape} and ranges {ranges}")
+            continue
         flexible = [(axis, r) for axis, r in enumerate(ranges) if r[0] != r[1]]
-        if len(flexible) != 1 or flexible[0][1] != (1, max_t):
-            problems.append(f"input '{name}' must have exactly one RangeDim(1, {max_t}) axis, "
-                            f"has ranges {ranges}")
+        if len(flexible) != 1 or flexible[0][1] != (1, flexible_t):
+            problems.append(f"input '{name}' must have exactly one RangeDim(1, {flexible_t}) "
+                            f"axis, has ranges {ranges}")
     for name, (shape, dtype) in facts.states.items():
         if dtype != "fp16":
             problems.append(f"state '{name}' is {dtype}, must be fp16")
@@ -138,10 +243,7 @@ def check_package(path: Path, *, kind: str, weights: WeightFormat, max_t: int = 
             problems.append(f"conv '{conv}': {problem}")
     if not facts.conv_weights:
         problems.append("no conv ops: not a layer or head package")
-
-    if problems:
-        raise BuildError(f"static checks failed for {path.name}:\n  - " + "\n  - ".join(problems))
-    return facts
+    return problems
 
 
 def dtype_problems(facts: PackageFacts) -> list[str]:
@@ -158,6 +260,10 @@ def dtype_problems(facts: PackageFacts) -> list[str]:
     for name, dtype in facts.io_dtypes.items():
         if dtype not in ALLOWED_DTYPES:
             problems.append(f"model input/output '{name}' is {dtype}, must be fp16 (or int32)")
+        elif dtype == "int32" and name in facts.inputs and name != KV_WRITE_START:
+            # The one integer input is the slice form's window starts; any other would be a
+            # value the host meant as fp16.
+            problems.append(f"model input '{name}' is int32; only '{KV_WRITE_START}' may be")
     return problems
 
 
