@@ -93,9 +93,13 @@ def test_health_answers_while_core_ml_holds_the_gil(coreml_standin, coreml_build
     stop = threading.Event()
 
     def tick() -> None:
+        # The tick after each sleep is taken before `stop` is looked at: the sleep that spans
+        # the native call can only return once the GIL is free, and by then the main thread
+        # may have set `stop`; checking first would drop the one tick that shows the gap.
+        ticks.append(time.perf_counter())
         while not stop.is_set():
-            ticks.append(time.perf_counter())
             time.sleep(0.01)
+            ticks.append(time.perf_counter())
 
     ticker = threading.Thread(target=tick)
     ticker.start()
