@@ -187,7 +187,21 @@ def cmd_tune(args: argparse.Namespace) -> int:
     backend = default_backend_name() if args.backend == "auto" else args.backend
     label = ("coreml (CPU_AND_NE, in a worker process)" if backend == "coreml"
              else "mil (the fp16 MIL interpreter; Core ML does not run here)")
-    if args.manifest:
+    draft = None
+    if args.draft_model or args.draft_only:
+        if not (args.manifest and args.draft_model):
+            raise AneSpecError("--draft-model is measured beside a build: give --manifest too"
+                               if args.draft_model else "--draft-only needs --draft-model and "
+                               "--manifest")
+        from ane_spec.manifests.store import load_manifest
+
+        args.backend, args.draft_units = backend, None
+        target = load_manifest(args.manifest)
+        draft = _draft_folder(args, target)
+    if args.draft_only:  # the build is the target as it is: no variant, no source GGUF needed
+        gguf, (request, source) = None, tune_source.options_of(target)
+        args.dimensions = []
+    elif args.manifest:
         gguf, request, source = tune_source.from_manifest(args.manifest)
     else:
         # Beside the variants' builds: removed with them unless --keep-builds.
@@ -206,6 +220,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
                       reps=args.reps, warmup=args.warmup, deadline_s=args.deadline,
                       bits=args.bits, dimensions=args.dimensions, margin=args.margin,
                       keep_builds=args.keep_builds, progress=say, on_row=row_done)
+    if draft is not None:
+        from ane_spec.bench.tune_draft import run_draft_tune
+
+        result.draft = run_draft_tune(args.manifest, draft, backend=backend, margin=args.margin,
+                                      deadline_s=args.deadline, new_tokens=args.draft_tokens,
+                                      max_seq=request["max_seq"], progress=say)
     json_path, md_path = write_tune(result, out)
     for d, c in result.choices.items():
         print(f"{d}: {c.flag} {c.value}" + ("" if c.measured else " (default: nothing passed)"))
@@ -213,7 +233,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
     print(f"wrote {json_path} and {md_path}: {len(result.variants)} variants, "
           f"{len(bad)} not ok" + ("; timings are the interpreter's, not the device's"
                                   if backend == "mil" else ""))
-    print(f"apply with: ane-spec build MODEL --out DIR --tuned {json_path}")
+    if result.variants:
+        print(f"apply with: ane-spec build MODEL --out DIR --tuned {json_path}")
+    if result.draft is not None:
+        choice = result.draft.choice
+        print(f"draft model: serve with {choice.serve_flags.replace('DRAFT', draft)}"
+              if choice.use_draft else "draft model: serve without --draft-model "
+              f"({choice.rests_on})")
     return 0
 
 
@@ -843,6 +869,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default %(default)g)")
     p.add_argument("--keep-builds", action="store_true",
                    help="keep each variant's build under OUT/variants")
+    p.add_argument("--draft-model", metavar="M",
+                   help="with --manifest: also measure this draft model beside the build on "
+                   "each compute units (ane, gpu, cpu; the interpreter once): its costs and a "
+                   "short decode greedy / n-grams / draft model, and say whether and where it "
+                   "pays. A GGUF, a catalog name, ollama:NAME or a build folder, as for serve")
+    p.add_argument("--draft-only", action="store_true",
+                   help="measure only the draft model (no variants; the build's source GGUF "
+                   "is not needed)")
+    p.add_argument("--draft-tokens", type=int, default=64,
+                   help="new tokens per decode of the draft measurement (default %(default)s)")
     p.set_defaults(handler=cmd_tune)
 
     p = sub.add_parser("generate", help="generate text with a built model (speculative by default)")

@@ -60,6 +60,21 @@ def coreml_build(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def coreml_draft(tmp_path_factory: pytest.TempPathFactory):
+    """(draft build, its GGUF): a draft model for `coreml_build` of its own weights: 1 layer,
+    128 wide, the tiny preset's vocabulary (the target's), a 64-token context like the
+    target's."""
+    from ane_spec.shards.build import BuildRequest, build
+
+    root = tmp_path_factory.mktemp("coreml-draft")
+    gguf = write_synthetic_gguf(root / "draft.gguf", preset(
+        "tiny", num_layers=1, hidden_size=128, num_heads=4, num_kv_heads=2, ffn_size=256,
+        rope_dims=16, seed=11))
+    build(gguf, root / "draft", BuildRequest(topology="1", max_seq=64))
+    return root / "draft", gguf
+
+
+@pytest.fixture(scope="session")
 def context_build(tmp_path_factory: pytest.TempPathFactory):
     """A 2-layer, 64-token build whose next tokens depend on the whole context (changing every
     prompt token but the last changes the next 4 tokens: `test_coreml_worker` shows it), unlike

@@ -13,23 +13,14 @@ import pytest
 from ane_spec.cli import main
 from ane_spec.decode.draft_setup import close_drafter, draft_spec, open_drafter
 from ane_spec.decode.session import DecodeSession, GenerateOptions
-from ane_spec.model.synthetic import preset, write_synthetic_gguf
 from ane_spec.probes.gates import open_pipeline
-from ane_spec.shards.build import BuildRequest, build
 
 PROMPT = [21, 400, 77, 5, 9, 300, 12]
 
 
 @pytest.fixture(scope="module")
-def draft(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(draft build, its GGUF): 1 layer, 128 wide, the tiny preset's vocabulary (that of
-    `coreml_build`, the target), a 64-token context like the target's."""
-    root = tmp_path_factory.mktemp("coreml-draft")
-    gguf = write_synthetic_gguf(root / "draft.gguf", preset(
-        "tiny", num_layers=1, hidden_size=128, num_heads=4, num_kv_heads=2, ffn_size=256,
-        rope_dims=16, seed=11))
-    build(gguf, root / "draft", BuildRequest(topology="1", max_seq=64))
-    return root / "draft", gguf
+def draft(coreml_draft: tuple[Path, Path]) -> tuple[Path, Path]:
+    return coreml_draft
 
 
 def _package_hashes(build_folder: Path) -> set[str]:

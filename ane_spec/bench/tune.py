@@ -261,12 +261,12 @@ def _make_runner(measure: Callable, channel: Channel) -> _Runner:
 
 # --- the parent ---------------------------------------------------------------------------------
 
-def run_variant(job: VariantJob, deadline_s: float, progress: Progress,
-                measure: Callable[[VariantJob, Progress], dict] = measure_variant
-                ) -> VariantResult:
-    """One variant in a fresh worker process; killed at `deadline_s`. Whatever happens there,
-    a row comes back. `measure` runs in the child (a module-level function: it is pickled)."""
-    worker = WorkerProcess(f"tune {job.name}", functools.partial(_make_runner, measure),
+def run_isolated(label: str, job: Any, deadline_s: float, progress: Progress,
+                 measure: Callable[[Any, Progress], dict]) -> dict[str, Any]:
+    """`measure(job)` in a fresh worker process, killed at `deadline_s`: its dict, or, whatever
+    happened there, `outcome` and `reason` saying what (hung, crashed, error). `measure` runs in
+    the child (a module-level function: it is pickled)."""
+    worker = WorkerProcess(f"tune {label}", functools.partial(_make_runner, measure),
                            progress=progress)
     expired = threading.Event()
 
@@ -276,26 +276,34 @@ def run_variant(job: VariantJob, deadline_s: float, progress: Progress,
 
     timer = threading.Timer(deadline_s, expire)
     timer.daemon = True
-    started = time.monotonic()
-    base = {"name": job.name, "dimension": job.dimension, "options": job.options}
     timer.start()
     try:
-        row = VariantResult(**worker.call("run", job, during=job.name))
+        return worker.call("run", job, during=label)
     except WorkerDied as exc:
         if expired.is_set():
-            row = VariantResult(**base, outcome="hung",
-                                reason=f"still running at its {deadline_s:g} s deadline: "
-                                       "its process was killed")
-        else:
-            row = VariantResult(**base, outcome="crashed",
-                                reason=f"its process died ({exc.how})")
+            return {"outcome": "hung", "reason": f"still running at its {deadline_s:g} s "
+                                                 "deadline: its process was killed"}
+        return {"outcome": "crashed", "reason": f"its process died ({exc.how})"}
     except Exception as exc:  # noqa: BLE001 - one row, not the run (RemoteError included)
-        row = VariantResult(**base, outcome="error",
-                            reason=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-                            if str(exc) else type(exc).__name__)
+        return {"outcome": "error",
+                "reason": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                if str(exc) else type(exc).__name__}
     finally:
         timer.cancel()
         worker.close()
+
+
+def run_variant(job: VariantJob, deadline_s: float, progress: Progress,
+                measure: Callable[[VariantJob, Progress], dict] = measure_variant
+                ) -> VariantResult:
+    """One variant in a fresh worker process (`run_isolated`); whatever happens there, a row
+    comes back."""
+    started = time.monotonic()
+    base = {"name": job.name, "dimension": job.dimension, "options": job.options}
+    try:
+        row = VariantResult(**(base | run_isolated(job.name, job, deadline_s, progress,
+                                                   measure)))
+    finally:
         if not job.keep_build:
             shutil.rmtree(job.out, ignore_errors=True)
     row.seconds = round(time.monotonic() - started, 2)
@@ -395,10 +403,12 @@ def run_tune(gguf: str | Path, out: Path, baseline_request: dict[str, Any], *, b
              on_row: Callable[[VariantResult], None] = lambda r: None,
              measure: Callable[[VariantJob, Progress], dict] = measure_variant) -> TuneResult:
     """Every variant of `baseline_request` (BuildRequest fields, the five tuned ones included),
-    each in its own process; the result, with the choices, as tune.json holds it."""
+    each in its own process; the result, with the choices, as tune.json holds it. No
+    `dimensions`: no variant at all, not even the baseline (`tune --draft-only`)."""
     baseline = {d: baseline_request[d] for d in DIMENSIONS}
     planned, skipped = plan_variants(baseline, baseline_request["max_seq"],
-                                     baseline_request.get("head_argmax", False), dimensions)
+                                     baseline_request.get("head_argmax", False),
+                                     dimensions) if dimensions else ([], [])
     rows: list[VariantResult] = []
     builds = out / "variants"
     for name, dimension, options in planned:
@@ -425,4 +435,4 @@ def run_tune(gguf: str | Path, out: Path, baseline_request: dict[str, Any], *, b
                       source=source, reps=reps, warmup=warmup, deadline_s=deadline_s,
                       margin=margin, baseline=baseline, variants=rows,
                       choices=choose(rows, margin, "interpreter, not the device" if
-                                     backend == "mil" else "device"))
+                                     backend == "mil" else "device") if rows else {})

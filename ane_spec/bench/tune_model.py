@@ -74,6 +74,48 @@ class Choice(_Strict):
     measured: bool                 # False: nothing passed, or it was not measured: the default
 
 
+DraftOutcome = Literal["ok", "wrong", "crashed", "hung", "error"]
+
+
+class DraftRow(_Strict):
+    """The draft model on one set of compute units beside the target: its costs (what serve's
+    policy reads) and one short decode each way on the same prompt."""
+
+    units: str                     # "ane", "gpu", "cpu", or "interpreter" (no Core ML here)
+    outcome: DraftOutcome
+    reason: str = ""
+    verify_ms: float | None = None           # c_verify: a target pass at its decode shape
+    draft_ms: float | None = None            # c_draft: a draft pass at T=1
+    ratio: float | None = None               # c_draft / c_verify
+    overlap: float | None = None             # share of draft passes hidden behind a target pass
+    greedy_tok_s: float | None = None        # plain greedy decoding
+    ngram_tok_s: float | None = None         # speculative, the n-gram drafter alone
+    ngram_tokens_per_pass: float | None = None
+    model_tok_s: float | None = None         # speculative, the draft model alone
+    model_tokens_per_pass: float | None = None
+    both_tok_s: float | None = None          # speculative, both drafters (serve's default)
+    both_tokens_per_pass: float | None = None
+    both_sources: dict[str, dict[str, int]] = Field(default_factory=dict)  # who drafted
+    seconds: float = 0.0
+
+
+class DraftChoice(_Strict):
+    use_draft: bool
+    units: str | None              # --draft-units to serve with (None: the interpreter's own)
+    mode: Literal["model", "both"] | None = None   # --draft-mode to serve with
+    serve_flags: str               # what to add to `ane-spec serve`: "" when no draft pays
+    rests_on: str
+    measured: bool                 # False: no units ran correctly; nothing was decided
+
+
+class DraftTune(_Strict):
+    draft: str                     # the draft model's build folder
+    prompt_tokens: int
+    new_tokens: int
+    rows: list[DraftRow]
+    choice: DraftChoice
+
+
 class TuneResult(_Strict):
     version: Literal[1] = TUNE_VERSION
     created: str
@@ -89,6 +131,7 @@ class TuneResult(_Strict):
     baseline: dict[str, Any]
     variants: list[VariantResult]
     choices: dict[Dimension, Choice]
+    draft: DraftTune | None = None   # with --draft-model: the draft measured beside the build
 
     def build_options(self) -> dict[str, Any]:
         """The chosen value of every dimension, as BuildRequest fields."""

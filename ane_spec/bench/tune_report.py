@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from ane_spec.bench.tune import metric_of
-from ane_spec.bench.tune_model import TuneResult, VariantResult
+from ane_spec.bench.tune_model import DraftTune, TuneResult, VariantResult
 
 BAR_WIDTH = 40
 
@@ -20,7 +20,7 @@ def write_tune(result: TuneResult, out: Path) -> tuple[Path, Path]:
     """tune.json and tune.md (with tune.png where matplotlib is installed) in `out`."""
     out.mkdir(parents=True, exist_ok=True)
     json_path = _atomic(out / "tune.json", result.model_dump_json(indent=2))
-    plot = _png(result, out / "tune.png")
+    plot = _png(result, out / "tune.png") if result.variants else None
     md_path = _atomic(out / "tune.md", markdown(result, plot))
     return json_path, md_path
 
@@ -48,6 +48,16 @@ def markdown(result: TuneResult, plot: Path | None) -> str:
         f"variant in its own process, deadline {result.deadline_s:g} s",
         f"- baseline: " + ", ".join(f"{k} {v}" for k, v in result.baseline.items()),
         "",
+    ]
+    if result.variants:
+        lines += _variants(result, plot)
+    if result.draft is not None:
+        lines += _draft(result.draft)
+    return "\n".join(lines)
+
+
+def _variants(result: TuneResult, plot: Path | None) -> list[str]:
+    lines = [
         "## Choices", "",
         "`ane-spec build --tuned tune.json` applies these; a flag given on its command line "
         "wins over the file.", "",
@@ -74,7 +84,32 @@ def markdown(result: TuneResult, plot: Path | None) -> str:
     if plot is not None:
         lines += [f"![time per variant]({plot.name})", ""]
     lines += ["```", *text_chart(result.variants), "```", ""]
-    return "\n".join(lines)
+    return lines
+
+
+def _draft(draft: DraftTune) -> list[str]:
+    c = draft.choice
+    verdict = (f"serve with `{c.serve_flags.replace('DRAFT', draft.draft)}`" if c.use_draft
+               else "serve without `--draft-model`")
+    lines = ["## Draft model", "",
+             f"- draft: {draft.draft}",
+             f"- each decode: a {draft.prompt_tokens}-token prompt of built-in code, "
+             f"{draft.new_tokens} new tokens; each units in its own process",
+             f"- **{verdict}**: {c.rests_on}", "",
+             "| units | outcome | c_verify ms | c_draft ms | ratio | overlap | greedy tok/s | "
+             "n-grams tok/s (tok/pass) | model tok/s (tok/pass) | both tok/s (tok/pass) | "
+             "who drafted (both) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in draft.rows:
+        who = "; ".join(f"{src} {n['passes']} passes, {n['accepted']}/{n['drafted']} accepted"
+                        for src, n in r.both_sources.items()) or "-"
+        outcome = r.outcome + (f": {r.reason}" if r.reason else "")
+        runs = " | ".join(f"{_fmt(getattr(r, f'{m}_tok_s'))} "
+                          f"({_fmt(getattr(r, f'{m}_tokens_per_pass'))})"
+                          for m in ("ngram", "model", "both"))
+        lines.append(f"| {r.units} | {_cell(outcome)} | {_fmt(r.verify_ms)} | "
+                     f"{_fmt(r.draft_ms)} | {_fmt(r.ratio)} | {_fmt(r.overlap)} | "
+                     f"{_fmt(r.greedy_tok_s)} | {runs} | {_cell(who)} |")
+    return lines + [""]
 
 
 def _cell(text: str) -> str:

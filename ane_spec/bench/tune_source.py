@@ -20,11 +20,17 @@ NO_SHARD_BUDGET_MB = 1 << 20
 def from_manifest(manifest: str | Path) -> tuple[Path, dict[str, Any], str]:
     """(source GGUF, BuildRequest fields, description) of a build: every option it recorded."""
     loaded: LoadedManifest = load_manifest(manifest)
-    m = loaded.manifest
-    source = Path(m.source.path)
+    source = Path(loaded.manifest.source.path)
     if not source.is_file():
         raise AneSpecError(f"tune --manifest rebuilds the build's variants from its source GGUF; "
                            f"{source} is not there")
+    return source, *options_of(loaded)
+
+
+def options_of(loaded: LoadedManifest) -> tuple[dict[str, Any], str]:
+    """(BuildRequest fields, description) of a build: every option it recorded."""
+    m = loaded.manifest
+    source = Path(m.source.path)
     b = m.build
     log2 = m.residual_scale.log2_factor if m.residual_scale is not None else 0
     request = {"topology": ",".join(str(n) for n in b.topology), "max_seq": b.max_seq,
@@ -35,7 +41,7 @@ def from_manifest(manifest: str | Path) -> tuple[Path, dict[str, Any], str]:
                not m.model.sliding_window,
                "mask_form": b.mask_form, "layout": b.layout, "head_layout": b.head_layout,
                "prefill_t": b.prefill_t, "kv_write": b.kv_write}
-    return source, request, f"the build {loaded.root} ({m.name}, from {source.name})"
+    return request, f"the build {loaded.root} ({m.name}, from {source.name})"
 
 
 def synthetic(folder: Path, preset_name: str, layers: int, max_seq: int,
