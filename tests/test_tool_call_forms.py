@@ -211,6 +211,38 @@ def test_the_auto_grammars_keep_text_text() -> None:
     assert not accepts(grammar, tok.encode(call.replace("get_weather", "rm_rf")))
 
 
+def _allows_prefix(grammar: Grammar, ids: list[int]) -> bool:
+    state = grammar.start()
+    for t in ids:
+        if not state.allows(t):
+            return False
+        state.advance(t)
+    return True
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_a_calls_opening_holds_only_llama_cpps_whitespace(family: str) -> None:
+    """Between a call's `{` and its `"name"` the grammar allows llama.cpp's `space` (nothing, a
+    space, or a newline and up to 20 spaces or tabs), not `\\s*`: given that, a tiny random
+    Llama 3 with `{` biased wrote 25 whitespace tokens and Unicode spaces after it, and
+    never reached the call in 120 tokens (test_tool_formats' streamed-call test on an AVX-512
+    machine). The parser still reads any whitespace there (call_forms._NAME_RX)."""
+    tok = tokenizer(family)
+    fmt = LLAMA3 if family == "llama3" else HERMES
+    grammar = Grammar(tok, lark_grammar(fmt.grammar([WEATHER], "auto", None)))
+    key = "parameters" if family == "llama3" else "arguments"
+    for space in ("", " ", "\n", "\n" + " " * 20, "\n\t\t"):
+        call = f'{{{space}"name": "get_weather", "{key}": {{"city": "Paris"}}}}'
+        assert accepts(grammar, tok.encode(call)), repr(space)
+        assert parse(fmt, call)[1] == [("get_weather", ARGS)]
+    for space in (" " * 2, "\n" + " " * 21, "\u3000", "\n\n"):
+        assert not _allows_prefix(grammar, tok.encode(f'{{{space}"name"')), repr(space)
+    if family == "llama3":  # its `{"type": "function", ...}` header too
+        assert accepts(grammar, tok.encode(
+            '{"type": "function",\n    "name": "get_weather", "parameters": {"city": "Paris"}}'))
+        assert not _allows_prefix(grammar, tok.encode('{"type"    : "function"'))
+
+
 # -- whitespace runs (issue 36) -------------------------------------------------------------------
 
 BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench_tool_call_parser.py"

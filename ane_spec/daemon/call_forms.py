@@ -483,6 +483,14 @@ def _one_per_index(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
 GRAMMAR_WS = 'KS: /: ?/\nIS: /, ?/\nWS: /\\n/'
 _FENCE_RX = "```(json|xml)?\\n\\s*"
 _NAME_RX = '\\{\\s*"name"'
+# Where a call's opening may hold whitespace, the grammar allows what llama.cpp's JSON grammars
+# allow (json-schema-to-grammar's `space`: nothing, one space, or a newline and up to 20 spaces
+# or tabs), not `\s*`: a weak model given any run of (Unicode) whitespace there spends every
+# token it has on it and never reaches the call. The parser still reads `\s*` (_NAME_RX), and
+# text may not hold such an opening, so what the grammar refuses is neither text nor a call.
+_SPACE_RX = "( |\\n[ \\t]{0,20})?"
+_NAME_GRAMMAR_RX = '\\{' + _SPACE_RX + '"name"'
+_FENCE_GRAMMAR_RX = "```(json|xml)?\\n[ \\t]{0,20}"
 
 
 def _tools_of(tools: list[Tool], choice: str | NamedToolChoice | None) -> list[Tool]:
@@ -525,8 +533,8 @@ def hermes_auto_grammar(tools: list[Tool], parallel: bool | None) -> str:
              "TEXT: /(.|\\n)+/ & ~/(.|\\n)*(" + openings + ")(.|\\n)*/",
              _lead("LEAD_TC", "<tool_call>", openings),
              _lead("LEAD_TC_FENCED", _FENCE_RX + "<tool_call>", openings),
-             _lead("LEAD_JSON", _NAME_RX, openings),
-             _lead("LEAD_JSON_FENCED", _FENCE_RX + _NAME_RX, openings),
+             _lead("LEAD_JSON", _NAME_GRAMMAR_RX, openings),
+             _lead("LEAD_JSON_FENCED", _FENCE_GRAMMAR_RX + _NAME_GRAMMAR_RX, openings),
              _lead("LEAD_FN_EQ", "<function=", openings),
              _lead("LEAD_FN_NAME", "<function name=\"", openings)]
     first = ["LEAD_TC tool_call", "LEAD_TC_FENCED tool_call WS? FENCE_END", "LEAD_JSON rest",
@@ -538,7 +546,7 @@ def hermes_auto_grammar(tools: list[Tool], parallel: bool | None) -> str:
     rules += ['FENCE: /```(json|xml)?\\n/', 'FENCE_END: /```\\n?/']
     for i, tag in enumerate(HERMES_TAGS[1:]):
         lead = f"LEAD_TAG{i}"
-        rules.append(_lead(lead, f"<{tag}>\\s*{_NAME_RX}", openings))
+        rules.append(_lead(lead, f"<{tag}>{_SPACE_RX}{_NAME_GRAMMAR_RX}", openings))
         first.append(f'{lead} rest WS? "</{tag}>"')
         later.append(f'"<{tag}>" WS? obj WS? "</{tag}>"')
     more = "" if parallel is False else " (WS? call)*"
@@ -551,7 +559,10 @@ def llama3_auto_grammar(tools: list[Tool]) -> str:
     A reply that opens with `{` is a call (llama.cpp's old trigger, anchored at the start; its
     PEG parser reads content only up to the first `{`)."""
     names = [t.function.name for t in tools]
+    # What the parser reads as an opening (text may not hold one), and what a model may write.
     opening = '\\{\\s*("type"\\s*:\\s*"function"\\s*,\\s*)?"name"'
+    space = _SPACE_RX
+    written = f'\\{{{space}("type"{space}:{space}"function"{space},{space})?"name"'
     rest = ("rest: KS \"\\\"\" (" + " | ".join(
         f'"{_lark_str(n)}\\"" IS "\\"parameters\\"" KS args{i}'
         for i, n in enumerate(names)) + ') "}"')
@@ -559,8 +570,8 @@ def llama3_auto_grammar(tools: list[Tool]) -> str:
     return "\n".join([
         "start: TEXT | (LEAD_FIRST | LEAD) rest", rest, *_arguments_rules(tools),
         GRAMMAR_WS, f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{opening}(.|\\n)*/ & {brace_first}",
-        f"LEAD_FIRST: /\\s*{opening}/",
-        _lead("LEAD", opening, opening) + f" & {brace_first}"]) + "\n"
+        f"LEAD_FIRST: /[ \\t\\n]{{0,20}}{written}/",
+        _lead("LEAD", written, opening) + f" & {brace_first}"]) + "\n"
 
 
 def _lark_str(name: str) -> str:
