@@ -211,15 +211,6 @@ def test_the_auto_grammars_keep_text_text() -> None:
     assert not accepts(grammar, tok.encode(call.replace("get_weather", "rm_rf")))
 
 
-def _allows_prefix(grammar: Grammar, ids: list[int]) -> bool:
-    state = grammar.start()
-    for t in ids:
-        if not state.allows(t):
-            return False
-        state.advance(t)
-    return True
-
-
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
 def test_a_calls_opening_holds_only_llama_cpps_whitespace(family: str) -> None:
     """Between a call's `{` and its `"name"` the grammar allows llama.cpp's `space` (nothing, a
@@ -236,11 +227,11 @@ def test_a_calls_opening_holds_only_llama_cpps_whitespace(family: str) -> None:
         assert accepts(grammar, tok.encode(call)), repr(space)
         assert parse(fmt, call)[1] == [("get_weather", ARGS)]
     for space in (" " * 2, "\n" + " " * 21, "\u3000", "\n\n"):
-        assert not _allows_prefix(grammar, tok.encode(f'{{{space}"name"')), repr(space)
+        assert not accepts(grammar, tok.encode(f'{{{space}"name"'), prefix=True), repr(space)
     if family == "llama3":  # its `{"type": "function", ...}` header too
         assert accepts(grammar, tok.encode(
             '{"type": "function",\n    "name": "get_weather", "parameters": {"city": "Paris"}}'))
-        assert not _allows_prefix(grammar, tok.encode('{"type"    : "function"'))
+        assert not accepts(grammar, tok.encode('{"type"    : "function"'), prefix=True)
 
 
 # -- whitespace runs (issue 36) -------------------------------------------------------------------

@@ -34,14 +34,15 @@ def tokenizer(family: str) -> Tokenizer:
     return Tokenizer.from_data(build_synthetic_vocab(1031, family=family))
 
 
-def accepts(grammar: Grammar, ids: list[int]) -> bool:
-    """Whether `grammar` takes the tokens `ids`, one at a time, and may end after them."""
+def accepts(grammar: Grammar, ids: list[int], *, prefix: bool = False) -> bool:
+    """Whether `grammar` takes the tokens `ids`, one at a time, and may end after them (with
+    `prefix`: may go on after them)."""
     state = grammar.start()
     for t in ids:
         if not state.allows(t):
             return False
         state.advance(t)
-    return state.accepting
+    return prefix or state.accepting
 
 
 @pytest.mark.parametrize("family,name", [("llama3", "llama3"), ("qwen2", "hermes"),
