@@ -8,7 +8,7 @@ the MIL interpreter: its own CPU, once), in a process of its own under the tune'
 
 - the costs `serve --draft-model` measures at warm-up (decode/draft_setup.py): c_verify, c_draft
   and the overlap of the two, what the drafting policy (decode/draft_policy.py) is set from;
-- one short decode on the same prompt four ways (bench/sweep.py's `run_sweep`): plain greedy,
+- one short decode on the same prompt (sweep's built-in code) four ways: plain greedy,
   the n-gram drafter alone, the draft model alone (`--draft-mode model`) and both (`serve`'s
   default, a source chosen per step): tokens per second and tokens per target pass. Speculative
   output must equal greedy's; a units where it does not is `wrong`, and never chosen.
@@ -53,40 +53,51 @@ def units_of(backend: str) -> list[str | None]:
 
 def measure_draft(job: DraftJob, progress: Progress) -> dict[str, Any]:
     """DraftRow's fields for one units (runs in the worker process)."""
-    from ane_spec.bench.sweep import run_sweep
+    from ane_spec.bench.sweep import source_text, tiled_prompt
     from ane_spec.decode.draft_setup import close_drafter, open_drafter
+    from ane_spec.decode.drafter import NgramDrafter
+    from ane_spec.decode.session import DecodeSession, GenerateOptions
     from ane_spec.probes.gates import open_pipeline
 
     label = job.units or "interpreter"
+    say = lambda m: progress(f"draft on {label}: {m}")  # noqa: E731
     precision = "fp16" if job.backend == "mil" else "fp32"  # Core ML computes fp16 anyway
     _, pipeline = open_pipeline(job.target, job.backend, precision, verify=False)
+    prompt = tiled_prompt(pipeline.tokenizer.encode(source_text("code")), job.prompt_tokens)
+
+    def decode(drafter: Any, speculative: bool = True) -> tuple[list[int], dict[str, Any]]:
+        out = DecodeSession(pipeline, drafter=drafter).generate(prompt, GenerateOptions(
+            max_tokens=job.new_tokens, speculative=speculative))
+        return out.tokens, out.stats.to_dict()
+
     try:
-        progress(f"draft on {label}: measuring its costs beside the build")
+        say("measuring its costs beside the build")
         drafter = open_drafter(pipeline, job.draft, units=job.units, mode="both")  # type: ignore[arg-type]
         try:
             row: dict[str, Any] = {"units": label, "outcome": "ok"} | drafter.costs.to_dict()
-            say = lambda m: progress(f"draft on {label}: {m}")  # noqa: E731
             say(f"decoding {job.new_tokens} tokens: greedy, n-grams, draft model, both")
-
-            def decode(mode: str | None) -> dict[str, Any]:
-                if mode is not None:
+            # Pays the JIT of every pass width the decode shape uses, before any timing.
+            DecodeSession(pipeline).generate(prompt[:8], GenerateOptions(max_tokens=8))
+            greedy, stats = decode(NgramDrafter(), speculative=False)
+            row["greedy_tok_s"] = stats["decode_tok_s"]
+            wrong = []
+            for mode in ("ngram", "model", "both"):
+                if mode != "ngram":
                     drafter.mode = mode  # read per step: one drafter, its process kept
-                return run_sweep(pipeline, lengths=[job.prompt_tokens], reps=1,
-                                 new_tokens=job.new_tokens, progress=say,
-                                 drafter=None if mode is None else drafter)["rows"][0]
-
-            runs = {"ngram": decode(None), "model": decode("model"), "both": decode("both")}
+                tokens, stats = decode(NgramDrafter() if mode == "ngram" else drafter)
+                row |= {f"{mode}_tok_s": stats["decode_tok_s"],
+                        f"{mode}_tokens_per_pass": stats["tokens_per_pass"]}
+                if mode == "both":
+                    row["both_sources"] = stats["draft_sources"]
+                if tokens != greedy:
+                    wrong.append(mode)
         finally:
             close_drafter(drafter)
     finally:
         close = getattr(pipeline.backend, "close", None)
         if close is not None:  # a Core ML worker: this process leaves without atexit hooks
             close()
-    row["greedy_tok_s"] = statistics.median(r["greedy_decode_tok_s"] for r in runs.values())
-    for name, r in runs.items():
-        row |= {f"{name}_tok_s": r["decode_tok_s"], f"{name}_tokens_per_pass": r["tokens_per_pass"]}
-    row["both_sources"] = runs["both"]["draft_sources"]
-    if wrong := [name for name, r in runs.items() if not r["exact"]]:
+    if wrong:
         row |= {"outcome": "wrong", "reason": f"speculative decoding ({', '.join(wrong)}) "
                                               "differed from greedy"}
     return row
