@@ -193,7 +193,8 @@ def run_model_demo(model: str, out: str | Path = "local-artifacts/demo", *, say=
     if draft_model is not None:
         # Before the target is built: a draft of another vocabulary is refused before anything
         # is built (a build folder given as the draft is checked when it is opened).
-        draft_folder = _draft_folder(draft_model, opened.tokenizer_data, name, max_seq, say)
+        draft_folder = _draft_folder(draft_model, opened.tokenizer_data, name, max_seq, say,
+                                     out / "drafts")
     del opened
 
     artifacts = out / "build"
@@ -250,16 +251,18 @@ def run_model_demo(model: str, out: str | Path = "local-artifacts/demo", *, say=
 
 
 def _draft_folder(draft_model: str, vocab: Any, target_name: str, max_seq: int,
-                  say) -> Path:  # noqa: ANN001
-    """The draft's build folder (shards/draft_build.py), its vocabulary checked against the
-    target's (`vocab`) before it is built."""
+                  say, root: Path) -> Path:  # noqa: ANN001
+    """The draft's build folder (shards/draft_build.py; a GGUF is built under `root`, beside
+    the demo's own build), its vocabulary checked against the target's (`vocab`) before it is
+    built."""
     from ane_spec.model.vocab_compat import check_draft_vocab
     from ane_spec.shards.draft_build import draft_build
 
     def check(draft_vocab: Any, draft_name: str) -> None:
         check_draft_vocab(vocab, draft_vocab, target_name=target_name, draft_name=draft_name)
 
-    return draft_build(draft_model, max_seq=max_seq, say=lambda m: say(f"   {m}"), check=check)
+    return draft_build(draft_model, max_seq=max_seq, root=root, say=lambda m: say(f"   {m}"),
+                       check=check)
 
 
 def _plain_and_speculative(pipeline, prompt: list[int], options: GenerateOptions,  # noqa: ANN001

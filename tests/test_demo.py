@@ -65,7 +65,7 @@ def test_demo_on_a_model_with_a_draft_model(tmp_path: Path, monkeypatch: pytest.
     from ane_spec.cli import main
     from ane_spec.model.synthetic import preset, write_synthetic_gguf
 
-    monkeypatch.chdir(tmp_path)  # the draft is built into ./local-artifacts/drafts
+    monkeypatch.chdir(tmp_path)  # nothing may land in ./local-artifacts
     target = write_synthetic_gguf(tmp_path / "t.gguf", preset("tiny", arch="llama",
                                                               num_layers=1))
     other = write_synthetic_gguf(tmp_path / "o.gguf", preset("tiny", arch="llama", num_layers=1,
@@ -84,6 +84,9 @@ def test_demo_on_a_model_with_a_draft_model(tmp_path: Path, monkeypatch: pytest.
     text = capsys.readouterr().out
     assert "identical tokens: yes (20 tokens)" in text, text
     assert "draft model: building d.gguf" in text and "pass costs" in text
+    # The draft's build sits beside the demo's own, under --out, not in the working directory.
+    assert (tmp_path / "demo" / "drafts" / "d-s160" / "manifest.json").is_file()
+    assert not (tmp_path / "local-artifacts").exists()
     # The n-gram wins this prompt's steps; the model drafts at least every 16th
     # (draft_policy.EXPLORE_EVERY).
     drafted_by = next(line for line in text.splitlines() if "drafted by:" in line)
