@@ -19,6 +19,15 @@ def pipelines(builds: dict[str, Path], precision: str = "fp16") -> dict[str, Sha
     return {form: open_pipeline(folder, "mil", precision)[1] for form, folder in builds.items()}
 
 
+def side_by_side(a: ShardPipeline, b: ShardPipeline, prompt: list[int], chunk: int = 3):
+    """`prompt` `chunk` tokens a pass through both pipelines, each on a state of its own: yields
+    (start, a's pass, b's pass)."""
+    states = [a.new_state(), b.new_state()]
+    for start in range(0, len(prompt), chunk):
+        yield start, *(p.run(prompt[start:start + chunk], start, st)
+                       for p, st in zip((a, b), states))
+
+
 def assert_same_run(pipes: dict[str, ShardPipeline], prompt: list[int], chunk: int,
                     prefill_at: int | None = None) -> int:
     """Run `prompt` `chunk` tokens a pass (padded to 4) in both builds, and from `prefill_at` on

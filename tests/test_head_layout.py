@@ -25,7 +25,7 @@ from ane_spec.probes.overflow import run_overflow
 from ane_spec.probes.row_invariance import run_row_invariance
 from ane_spec.runtime.hidden_layout import head_token_major
 from ane_spec.shards.build import BuildRequest, build
-from tests.kv_slice_checks import assert_speculative_is_greedy_and_scatters
+from tests.kv_slice_checks import assert_speculative_is_greedy_and_scatters, side_by_side
 
 S = 64
 
@@ -115,9 +115,7 @@ def test_the_core_ml_path_reads_a_vocab_last_head(builds: dict, coreml_standin) 
     coreml = open_pipeline(builds["vocab-last-BCT1"], "coreml", "fp32")[1]
     mil = open_pipeline(builds["channels-BCT1"], "mil", "fp16")[1]
     prompt = np.random.default_rng(8).integers(0, 1024, 9).tolist()
-    states = [coreml.new_state(), mil.new_state()]
-    for start in range(0, len(prompt), 3):
-        a, b = (p.run(prompt[start:start + 3], start, st) for p, st in zip((coreml, mil), states))
+    for start, a, b in side_by_side(coreml, mil, prompt):
         for r in range(a.rows):
             assert np.array_equal(a.row_logits(r), b.row_logits(r)), start
             assert a.row_argmax(r) == int(np.argmax(b.row_logits(r)))

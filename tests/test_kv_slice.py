@@ -37,6 +37,7 @@ from tests.kv_slice_checks import (
     assert_same_run,
     assert_speculative_is_greedy_and_scatters,
     pipelines,
+    side_by_side,
 )
 
 S = 64
@@ -230,9 +231,7 @@ def test_the_core_ml_path_feeds_the_start_as_int32(tiny: dict, tiny_fp16: dict,
     coreml = open_pipeline(tiny["slice"], "coreml", "fp32")[1]
     mil = tiny_fp16["slice"]
     prompt = np.random.default_rng(8).integers(0, 1024, 20).tolist()
-    states = [coreml.new_state(), mil.new_state()]
-    for start in range(0, len(prompt), 3):
-        a, b = (p.run(prompt[start:start + 3], start, st) for p, st in zip((coreml, mil), states))
+    for start, a, b in side_by_side(coreml, mil, prompt):
         for r in range(a.rows):
             assert np.array_equal(a.row_logits(r), b.row_logits(r)), start
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from ane_spec.bench.tune import Progress, run_isolated
 from ane_spec.bench.tune_model import DraftChoice, DraftRow, DraftTune
+from ane_spec.errors import AneSpecError
 
 DEFAULT_NEW_TOKENS = 64
 PROMPT_TOKENS = 200   # a prompt of sweep's built-in code: repetition enough for the n-grams
@@ -141,8 +142,6 @@ def run_draft_tune(target: str, draft: str, *, backend: str, margin: float, dead
                    new_tokens: int = DEFAULT_NEW_TOKENS, max_seq: int,
                    progress: Progress = lambda m: None, measure=measure_draft) -> DraftTune:
     """Every units of `backend`, each in its own process (`run_isolated`), and the choice."""
-    from ane_spec.errors import AneSpecError
-
     if new_tokens < 1:
         raise AneSpecError(f"--draft-tokens {new_tokens}: give at least 1")
     prompt = min(PROMPT_TOKENS, max_seq - new_tokens)
