@@ -195,8 +195,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
                                "--manifest")
         from ane_spec.manifests.store import load_manifest
 
+        from ane_spec.bench.tune_draft import prompt_tokens
+
         args.backend, args.draft_units = backend, None
         target = load_manifest(args.manifest)
+        prompt_tokens(target.manifest.build.max_seq, args.draft_tokens)
         draft = _draft_folder(args, target)
     if args.draft_only:  # the build is the target as it is: no variant, no source GGUF needed
         gguf, (request, source) = None, tune_source.options_of(target)

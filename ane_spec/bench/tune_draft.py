@@ -138,16 +138,23 @@ def choose_draft(rows: list[DraftRow], margin: float, units_flag: bool) -> Draft
                        serve_flags=flags, measured=True, rests_on=figures + tail)
 
 
-def run_draft_tune(target: str, draft: str, *, backend: str, margin: float, deadline_s: float,
-                   new_tokens: int = DEFAULT_NEW_TOKENS, max_seq: int,
-                   progress: Progress = lambda m: None, measure=measure_draft) -> DraftTune:
-    """Every units of `backend`, each in its own process (`run_isolated`), and the choice."""
+def prompt_tokens(max_seq: int, new_tokens: int) -> int:
+    """The measurement's prompt length in a context of `max_seq`, or one line saying why
+    `new_tokens` does not fit (checked before any variant runs, not after)."""
     if new_tokens < 1:
         raise AneSpecError(f"--draft-tokens {new_tokens}: give at least 1")
     prompt = min(PROMPT_TOKENS, max_seq - new_tokens)
     if prompt < 8:
         raise AneSpecError(f"the build's context of {max_seq} leaves no room for a prompt and "
                            f"{new_tokens} new tokens")
+    return prompt
+
+
+def run_draft_tune(target: str, draft: str, *, backend: str, margin: float, deadline_s: float,
+                   new_tokens: int = DEFAULT_NEW_TOKENS, max_seq: int,
+                   progress: Progress = lambda m: None, measure=measure_draft) -> DraftTune:
+    """Every units of `backend`, each in its own process (`run_isolated`), and the choice."""
+    prompt = prompt_tokens(max_seq, new_tokens)
     rows = []
     for units in units_of(backend):
         label = units or "interpreter"
