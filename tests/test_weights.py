@@ -22,6 +22,17 @@ def test_q8_0_fast_path_matches_generic_requantization(tiny_gguf: Path) -> None:
     assert abs(fast_acc.cosine() - slow_acc.cosine()) < 1e-7
 
 
+def test_q8_0_fast_path_gathers_rows_as_it_slices_them(tiny_gguf: Path) -> None:
+    """A run of rows is sliced, any other index gathered: both give the full matrix's rows."""
+    t = open_gguf(tiny_gguf).tensor("blk.0.ffn_up.weight")
+    q_all, s_all = W._requantize_q8_0_rows(t, np.arange(t.shape[0]), W._CosineAccumulator())
+    for idx in (np.arange(3, 40), np.array([7, 2, 2, 30, 5]), np.array([4, 5, 7, 8]),
+                np.array([4, 6, 5, 7])):  # spans 4 rows, not in order
+        q, s = W._requantize_q8_0_rows(t, idx, W._CosineAccumulator())
+        np.testing.assert_array_equal(q, q_all[idx])
+        np.testing.assert_array_equal(s, s_all[idx])
+
+
 def test_formats_and_cosines(tiny_gguf: Path) -> None:
     t = open_gguf(tiny_gguf).tensor("blk.1.attn_qkv.weight")
     ref = t.dequantize().astype(np.float64)

@@ -289,25 +289,33 @@ def stack(parts: list[ConvWeight]) -> ConvWeight:
 
 def _requantize_q8_0_rows(t: Tensor, idx: np.ndarray, agreement: "_CosineAccumulator"
                           ) -> tuple[np.ndarray, np.ndarray]:
-    """Q8_0 rows -> per-row int8, straight from the blocks: value = qs * d, so the row's max is
-    the max over blocks of max|qs| * |d|, and q = rint(qs * d / s_row)."""
+    """Q8_0 rows -> per-row int8, straight from the blocks: value = qs * d, and
+    q = rint(qs * d / s_row).
+
+    The cosine needs no stored copy: the stored row is q * s, so its dots with the original x
+    are s * (x . q) and s^2 * (q . q), scaled per row after float32 row dots. Reductions run along
+    whole rows (a max over each 32-wide block is several times slower in numpy), and a run of
+    rows is sliced, not gathered: this is the build's innermost loop (issue 33)."""
     qs, d = t.q8_0()
-    qs, d32 = qs[idx], d[idx].astype(np.float32)
+    n = len(idx)
+    if n and int(idx[-1]) - int(idx[0]) + 1 == n and bool(np.all(np.diff(idx) == 1)):
+        qs, d = qs[int(idx[0]):int(idx[-1]) + 1], d[int(idx[0]):int(idx[-1]) + 1]
+    else:
+        qs, d = qs[idx], d[idx]
+    d32 = d.astype(np.float32)
     require_finite(t.name, d32, int(idx[0]), " (Q8_0 scales)")
-    amax = (np.abs(qs).max(axis=2) * np.abs(d32)).max(axis=1, keepdims=True)
+    original = (qs * d32[..., None]).reshape(n, -1)   # exact: 8 x 11 bits < 24
+    amax = np.maximum(original.max(axis=1), -original.min(axis=1))[:, None]
     with np.errstate(over="ignore"):
         s16 = np.where(amax == 0, 1.0, amax / 127.0).astype(np.float16)
     require_finite(t.name, s16, int(idx[0]), " (int8 scales beyond the fp16 range)")
     s32 = s16.astype(np.float32)
     # Quantize against the fp16 scale actually stored, so the rounding matches what runs.
-    qf = qs * (d32 / s32)[..., None]
+    qf = (qs * (d32 / s32)[..., None]).reshape(n, -1)
     np.rint(qf, out=qf)
     np.clip(qf, -127, 127, out=qf)
-    q = qf.astype(np.int8).reshape(len(idx), -1)
-    original = (qs * d32[..., None]).reshape(len(idx), -1)   # exact: 8 x 11 bits < 24
-    stored = q.astype(np.float32)
-    stored *= s32
-    agreement.add(original, stored)
+    q = qf.astype(np.int8)
+    agreement.add_scaled(original, qf, s32[:, 0])
     return q, s16
 
 
@@ -454,6 +462,14 @@ class _CosineAccumulator:
         for attr, x, y in (("ab", a, b), ("aa", a, a), ("bb", b, b)):
             rows = np.einsum("ij,ij->i", x, y)
             setattr(self, attr, getattr(self, attr) + float(np.sum(rows, dtype=np.float64)))
+
+    def add_scaled(self, a: np.ndarray, q: np.ndarray, scale: np.ndarray) -> None:
+        """`add(a, q * scale[:, None])` without the product: each row's dots are taken in
+        float32 and scaled in float64."""
+        s = scale.astype(np.float64)
+        self.ab += float(s @ np.einsum("ij,ij->i", a, q))
+        self.aa += float(np.sum(np.einsum("ij,ij->i", a, a), dtype=np.float64))
+        self.bb += float((s * s) @ np.einsum("ij,ij->i", q, q))
 
     def cosine(self) -> float:
         denom = np.sqrt(self.aa * self.bb)
