@@ -288,3 +288,40 @@ def test_layer_major_calibration_sees_what_forward_sees(tiny_gguf: Path) -> None
     for i, r in enumerate(ranges.layers):
         assert (r.residual, r.ffn_up, r.ffn_down_in) == pytest.approx(
             (seen["residual", i], seen["ffn_up", i], seen["ffn_down_in", i]), rel=1e-6)
+
+
+def test_a_calibration_in_two_parts_sees_what_one_run_sees(tiny_gguf: Path) -> None:
+    """The early-stopping calibration runs the first HEAD_TOKENS of every prompt, then (if the
+    decision is open) the rest from the first part's caches: every token once, at its own
+    position. Its maxima are those of the one-part run; it stops early only when told."""
+    from ane_spec.model.activation_range import HEAD_TOKENS, measure_activations
+
+    model = open_gguf(tiny_gguf)
+    whole = measure_activations(model)
+    asked: list[int] = []
+    parts = measure_activations(model, settled=lambda first: asked.append(first.tokens) or False)
+    assert asked == [5 * HEAD_TOKENS] and parts.tokens == whole.tokens > asked[0]
+    assert parts.embedding == whole.embedding
+    for a, b in zip(parts.layers, whole.layers):
+        assert (a.residual, a.ffn_up, a.ffn_down_in) == pytest.approx(
+            (b.residual, b.ffn_up, b.ffn_down_in), rel=1e-6)
+    first = measure_activations(model, settled=lambda first: True)
+    assert first.tokens == asked[0] and all(
+        f.residual <= w.residual * (1 + 1e-6) for f, w in zip(first.layers, whole.layers))
+
+
+def test_the_calibration_stops_early_only_far_from_the_bound() -> None:
+    from ane_spec.model.activation_range import ActivationRanges, LayerRange
+    from ane_spec.shards.residual_scale import SAFETY, SETTLED_HEADROOM, settled
+
+    def ranges(residual: float, ffn: float) -> ActivationRanges:
+        return ActivationRanges([LayerRange(residual, ffn, 1.0)], prompts=5, tokens=40,
+                                seconds=1.0)
+
+    edge = FP16_MAX / (SAFETY * SETTLED_HEADROOM)
+    assert settled("auto", ranges(edge * 0.99, 1.0)) and settled("off", ranges(1.0, 1.0))
+    assert not settled("auto", ranges(edge * 1.01, 1.0))          # the stream, near the bound
+    assert not settled("auto", ranges(1.0, edge * 1.01))          # the FFN, near the bound
+    assert not settled("auto", ranges(1e5, 1.0))                  # k < 0: measure everything
+    assert settled("2^-2", ranges(edge * 3, 1.0))                 # the margin as scaled
+    assert not settled("2^2", ranges(edge * 0.5, 1.0))

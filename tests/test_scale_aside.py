@@ -90,6 +90,11 @@ def test_aside_builds_what_the_serial_order_builds(overflowing_gguf: Path, tmp_p
     assert _package_contents(tmp_path / "aside") == _package_contents(tmp_path / "serial")
     assert len(_package_contents(tmp_path / "aside")) >= 6   # 2 shards + head, 2 files each
     assert said[0] == "calibrating activations beside the conversion (second core)"
+    # The file's hashes were taken beside it too (nothing to reuse): the same ones.
+    assert said[1] == f"hashing {overflowing_gguf.name} beside the conversion"
+    source = [json.loads((tmp_path / d / "manifest.json").read_text())["source"]["sha256"]
+              for d in ("aside", "serial")]
+    assert source[0] == source[1] == hashlib.sha256(overflowing_gguf.read_bytes()).hexdigest()
     # k is said once, after the calibration's own lines and before any shard's.
     scale = next(i for i, m in enumerate(said) if m.startswith("residual scale:"))
     assert scale > max(i for i, m in enumerate(said) if m.startswith("calibrating"))
@@ -161,7 +166,8 @@ def test_a_failed_conversion_stops_the_calibration(overflowing_gguf: Path, tmp_p
     monkeypatch.setattr(build_module, "layer_weights", failing)
     with pytest.raises(BuildError, match="conversion failed here"):
         build(overflowing_gguf, tmp_path / "art", REQUEST, calibrate_aside=True)
-    assert not [t for t in threading.enumerate() if t.name == "calibrate-activations"]
+    assert not [t for t in threading.enumerate()
+                if t.name in ("calibrate-activations", "hash-gguf")]
     # A whole calibration runs both layers (all prompts' rows at once); it stopped within one.
     assert len(layers_run) < 2
     assert sorted(p.name for p in tmp_path.iterdir()) == []
@@ -219,3 +225,16 @@ def test_the_shard_line_names_each_function_and_its_token_counts(tiny_gguf: Path
         prefill.set_outputs([mb.identity(x=prefill.inputs[HIDDEN_IN])])
     prog.add_function("prefill", prefill)
     assert describe_functions(prog) == f"main (T 1..{MAX_T}), prefill (T 64)"
+
+
+def test_hashing_aside_gives_the_serial_hashes_and_stops_when_told(tiny_gguf: Path) -> None:
+    from ane_spec.model.gguf_file import HashingStopped, open_gguf
+    from ane_spec.shards.hash_aside import HashAside
+
+    model = open_gguf(tiny_gguf)
+    with HashAside(model) as aside:
+        assert aside.result() == model.content_hashes()
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(HashingStopped):
+        model.content_hashes(stop=stop)

@@ -22,6 +22,7 @@ memory one layer's.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +52,10 @@ CALIBRATION_PROMPTS: tuple[str, ...] = (
     "<html><body><h1>Résumé</h1><p>naïve café — 東京 😀</p></body></html>\n{\"key\": [1, 2, 3]}",
 )
 DEFAULT_MAX_TOKENS = 48
+# A calibration that may stop early runs this many tokens of every prompt first: the first
+# token's activations are often a model's largest ("massive activations" sit on it and on the
+# first delimiters), and 8 of each prompt are ~40 of the ~220.
+HEAD_TOKENS = 8
 
 Progress = Callable[[str], None]
 
@@ -148,10 +153,19 @@ def calibration_tokens(model: GGUFModel, prompts: Sequence[str] = CALIBRATION_PR
 def measure_activations(model: GGUFModel, prompts: Sequence[str] = CALIBRATION_PROMPTS,
                         max_tokens: int = DEFAULT_MAX_TOKENS,
                         progress: Progress | None = None,
-                        checkpoint: Callable[[], None] | None = None) -> ActivationRanges:
+                        checkpoint: Callable[[], None] | None = None,
+                        settled: Callable[["ActivationRanges"], bool] | None = None
+                        ) -> ActivationRanges:
     """Per-layer activation maxima of the fp32 reference over `prompts` (see module docstring).
     Raises ValueError if the fp32 reference itself produces a non-finite value; whatever
-    `checkpoint` raises (CalibrationStopped) ends the run."""
+    `checkpoint` raises (CalibrationStopped) ends the run.
+
+    With `settled`, the first HEAD_TOKENS of every prompt run through every layer first, and
+    the rest only if `settled` says their maxima leave the decision open: the caller's rule for
+    "no later token could change what I decide" (residual_scale.py: a margin far beyond the
+    safety factor). The rest continues from the first part's caches, so every token is still
+    seen once; what the early stop saves is the rest's matmuls, what a full run costs beyond it
+    is one more dequantization of the weights."""
     from ane_spec.model.reference import ReferenceModel
 
     say = progress or (lambda _msg: None)
@@ -165,19 +179,38 @@ def measure_activations(model: GGUFModel, prompts: Sequence[str] = CALIBRATION_P
     # a shard, and a 3.8B model costs one pass over its weights, not one per prompt).
     ref = ReferenceModel(model, context_window=window, materialize=False,
                          observer=_Progress(collect, say, c.num_layers, started, checkpoint))
-    say(f"calibrating activations: {len(sequences)} prompts, "
-        f"{sum(map(len, sequences))} tokens, fp32 reference")
+    total = sum(map(len, sequences))
+    say(f"calibrating activations: {len(sequences)} prompts, {total} tokens, fp32 reference")
+
+    def measured(tokens: int) -> ActivationRanges:
+        if collect.non_finite:
+            raise NonFiniteActivations(
+                f"the fp32 reference is not finite ({collect.non_finite[0]}) on the calibration "
+                "prompts: its weights hold NaN or infinite values, or the model itself "
+                "overflows fp32")
+        return ActivationRanges(layers=copy.deepcopy(collect.ranges), prompts=len(sequences),
+                                tokens=tokens, seconds=time.monotonic() - started,
+                                embedding=collect.embedding)
+
     # A corrupt file's inf/NaN weights would warn in numpy's dequantization; they are found and
     # named below (and the build then names the tensor), so the warnings say nothing more.
     with np.errstate(invalid="ignore", over="ignore"):
-        ref.run_layer_major(sequences)
-    if collect.non_finite:
-        raise NonFiniteActivations(
-            f"the fp32 reference is not finite ({collect.non_finite[0]}) on the calibration "
-            "prompts: its weights hold NaN or infinite values, or the model itself overflows fp32")
-    return ActivationRanges(layers=collect.ranges, prompts=len(sequences),
-                            tokens=sum(map(len, sequences)),
-                            seconds=time.monotonic() - started, embedding=collect.embedding)
+        if settled is None or total <= len(sequences) * HEAD_TOKENS:
+            ref.run_layer_major(sequences)
+            return measured(total)
+        heads = [s[:HEAD_TOKENS] for s in sequences]
+        caches = ref.run_layer_major(heads)
+        first = measured(sum(map(len, heads)))
+        if settled(first):
+            say(f"calibrating activations: settled by the first {HEAD_TOKENS} tokens of each "
+                f"prompt ({first.tokens} of {total}), in {first.seconds:.1f}s")
+            return first
+        rest = [(s[HEAD_TOKENS:], cache) for s, cache in zip(sequences, caches)
+                if len(s) > HEAD_TOKENS]
+        say(f"calibrating activations: the first {HEAD_TOKENS} tokens of each prompt leave "
+            f"the decision open; the other {total - first.tokens}")
+        ref.run_layer_major([s for s, _ in rest], [cache for _, cache in rest])
+        return measured(total)
 
 
 def margin(peak: float, factor: float = 1.0) -> float:

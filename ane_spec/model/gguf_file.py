@@ -12,6 +12,7 @@ import hashlib
 import math
 import mmap
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -313,11 +314,13 @@ class GGUFModel:
         """Every tensor's elements, as Ollama counts a model's parameters."""
         return sum(math.prod(t.shape) for t in self.tensors.values())
 
-    def content_hashes(self) -> tuple[str, dict[str, str]]:
+    def content_hashes(self, stop: threading.Event | None = None
+                       ) -> tuple[str, dict[str, str]]:
         """sha256 of the whole file and of each tensor's bytes, in one pass over the file.
 
         The build records the first and fingerprints each shard with the second, so a re-run
-        rebuilds only what the changed tensors feed."""
+        rebuilds only what the changed tensors feed. `stop`, once set, ends the pass at its
+        next 64 MB block with HashingStopped (a build hashing beside its conversion ended)."""
         whole = hashlib.sha256()
         per_tensor: dict[str, str] = {}
         pos = 0
@@ -327,6 +330,8 @@ class GGUFModel:
             step = 1 << 26
             for start in range(t.file_offset, t.file_offset + t.nbytes, step):
                 end = min(start + step, t.file_offset + t.nbytes)
+                if stop is not None and stop.is_set():
+                    raise HashingStopped(f"hashing {self.path.name} stopped")
                 block = self.buffer[start:end]
                 whole.update(block)
                 h.update(block)
@@ -361,6 +366,10 @@ class GGUFModel:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class HashingStopped(Exception):
+    """`content_hashes` was asked to stop; nothing will read its result."""
 
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFModel:

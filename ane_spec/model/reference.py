@@ -232,23 +232,30 @@ class ReferenceModel:
         return h
 
     @torch.no_grad()
-    def run_layer_major(self, sequences: Sequence[Sequence[int]]) -> None:
-        """Run each sequence from position 0 through every layer, for the observer only (no
-        logits), one layer at a time for all of them: each weight is dequantized once and only
-        one layer's weights are held, however large the model (activation calibration). The
-        sequences' rows are stacked, so each weight is one matmul over all of them (a few
-        hundred rows: ~1.7x the throughput of one matmul per sequence of ~48 on MKL, which
-        gives each row the same bits either way; attention runs per sequence)."""
+    def run_layer_major(self, sequences: Sequence[Sequence[int]],
+                        caches: Sequence[KVCache] | None = None) -> list[KVCache]:
+        """Run each sequence through every layer, for the observer only (no logits), one layer
+        at a time for all of them: each weight is dequantized once and only one layer's weights
+        are held, however large the model (activation calibration). The sequences' rows are
+        stacked, so each weight is one matmul over all of them (a few hundred rows: ~1.7x the
+        throughput of one matmul per sequence of ~48 on MKL, which gives each row the same bits
+        either way; attention runs per sequence).
+
+        Each sequence starts at position 0, or, given `caches` (one per sequence, as an earlier
+        call returned them), after what its cache holds: it continues that sequence. Returns
+        the caches, each holding its sequence's K/V so far."""
         c = self.config
+        if caches is not None and len(caches) != len(sequences):
+            raise ValueError(f"{len(caches)} caches for {len(sequences)} sequences")
+        caches = list(caches) if caches is not None else [self.new_cache() for _ in sequences]
         embedded, parts, tables = [], {False: [], True: []}, {False: [], True: []}
         row = 0
-        for tokens in sequences:
-            if not 0 < len(tokens) <= self.context_window:
-                raise AneSpecError(f"a sequence of {len(tokens)} tokens does not fit the "
-                                   f"context window of {self.context_window}")
+        for tokens, cache in zip(sequences, caches):
+            if not 0 < len(tokens) <= self.context_window - cache.length:
+                raise AneSpecError(f"a sequence of {len(tokens)} tokens after {cache.length} "
+                                   f"does not fit the context window of {self.context_window}")
             embedded.append(self._embed(tokens))
-            seq_tables, masks = self._position_inputs(0, len(tokens))
-            cache = self.new_cache()
+            seq_tables, masks = self._position_inputs(cache.length, len(tokens))
             for local in masks:
                 parts[local].append(_Rows(row, row + len(tokens), masks[local], cache))
                 tables[local].append(seq_tables[local])
@@ -265,6 +272,10 @@ class ReferenceModel:
                 self.w.drop_cached()  # layer i's weights are not read again
         finally:
             self.w.materialize = kept
+        for tokens, cache in zip(sequences, caches):
+            cache.length += len(tokens)
+            cache.tokens.extend(tokens)
+        return caches
 
     def _layer(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                mask: torch.Tensor, cache: KVCache) -> torch.Tensor:

@@ -74,6 +74,7 @@ from ane_spec.model.swa_ring import kv_state_bytes, ring_rows, uses_ring
 from ane_spec.shards.embeddings import write_embeddings
 from ane_spec.shards.frozen_heap import freeze_more, frozen_heap
 from ane_spec.shards import scale_aside
+from ane_spec.shards.hash_aside import HashAside
 from ane_spec.shards.kv_traffic import format_bytes, kv_traffic
 from ane_spec.shards.layer_graph import CORRECT, GraphVariant, LayerWeights, Layout, MaskForm
 from ane_spec.shards.layer_weights import finite_vector, layer_tensor_names, layer_weights
@@ -264,14 +265,23 @@ def _drop_hidden_tracebacks(exc: BaseException) -> None:
 def _build_into(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int, int]],
                 head_plan: list[tuple[int, int]], out: Path, tmp: Path, say: Progress,
                 variant: GraphVariant, calibrate_aside: bool | None) -> BuildResult:
-    with scale_aside.start(model, request.residual_scale, say, calibrate_aside) as pending:
-        return _build_with(model, request, ranges, head_plan, out, tmp, say, variant, pending)
+    with contextlib.ExitStack() as aside:
+        pending = aside.enter_context(
+            scale_aside.start(model, request.residual_scale, say, calibrate_aside))
+        # With nothing to reuse, the hashes are first needed for the first shard's fingerprint:
+        # beside a calibration (a large model), a second helper takes them meanwhile.
+        previous, hashing = _previous_build(out), None
+        if pending.aside and previous is None:
+            say(f"hashing {model.path.name} beside the conversion")
+            hashing = aside.enter_context(HashAside(model))
+        return _build_with(model, request, ranges, head_plan, out, tmp, say, variant, pending,
+                           previous, hashing)
 
 
 def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int, int]],
                 head_plan: list[tuple[int, int]], out: Path, tmp: Path, say: Progress,
-                variant: GraphVariant, pending: scale_aside.PendingScale) -> BuildResult:
-    previous = _previous_build(out)
+                variant: GraphVariant, pending: scale_aside.PendingScale,
+                previous: PreviousBuild | None, hashing: HashAside | None) -> BuildResult:
     result = BuildResult(manifest_path=out / "manifest.json")
     options = _options(request, ranges, model.config)
     hashes: tuple[str, dict[str, str]] | None = None
@@ -280,8 +290,9 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
     def hashed() -> tuple[str, dict[str, str]]:
         nonlocal hashes
         if hashes is None:
-            say(f"hashing {model.path.name}")
-            hashes = model.content_hashes()
+            if hashing is None:
+                say(f"hashing {model.path.name}")
+            hashes = model.content_hashes() if hashing is None else hashing.result()
             model.check_unchanged()
             pending.relay()
         return hashes
@@ -294,9 +305,9 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
             say(describe_residual_scale(residual)[0])
         return residual
 
-    # Reuse needs the fingerprints (tensor hashes) first. A build with nothing to reuse and a
-    # calibration running aside hashes the file where it would otherwise wait for k: after
-    # the first shard's conversion.
+    # Reuse needs the fingerprints (tensor hashes) first; a build with nothing to reuse and a
+    # calibration running aside has them taken aside too, and asks after the first shard's
+    # conversion.
     if previous is not None or not pending.aside:
         hashed()
     if not pending.aside:

@@ -61,6 +61,12 @@ SAFETY = 8.0
 # `--residual-scale 2^K` accepts K in this range: beyond it eps * s^2 and most weights' scales
 # leave fp16 entirely.
 MAX_ABS_LOG2 = 12
+# The calibration stops after the first tokens of each prompt (activation_range.HEAD_TOKENS)
+# when both margins, as the program would hold them, are this many times SAFETY: the remaining
+# tokens would have to raise a peak 16x to change k or to bring either margin near SAFETY.
+# Random-weight models sit at thousands (synthetic Phi-4-mini: 2,250x) and stop; the real
+# Qwen2.5-Coder 0.5B (50x) and 1.5B (17x) do not, and are measured on every token.
+SETTLED_HEADROOM = 16.0
 
 # LayerWeights fields whose output is added into the residual stream, per architecture
 # (default: pre-norm layers). A ConvWeight is scaled in its stored form, an ndarray (a post-norm
@@ -188,12 +194,21 @@ def calibrate(model: GGUFModel, setting: str, say: Callable[[str], None],
     if setting == "off":
         return None
     try:
-        return measure_activations(model, progress=say, checkpoint=checkpoint)
+        return measure_activations(model, progress=say, checkpoint=checkpoint,
+                                   settled=lambda first: settled(setting, first))
     except ValueError as exc:
         if isinstance(exc, NonFiniteActivations):  # usually a corrupt file: name the
             for tensor in model.tensors.values():  # tensor, as the conversion would have
                 check_tensor_finite(tensor)
         raise BuildError(f"activation calibration failed: {exc}") from None
+
+
+def settled(setting: str, ranges: ActivationRanges) -> bool:
+    """Whether a calibration that measured `ranges` so far may stop (see SETTLED_HEADROOM)."""
+    log2 = requested_log2(setting, ranges)
+    need = SAFETY * SETTLED_HEADROOM
+    return (margin(ranges.residual_max, 2.0 ** log2) >= need
+            and margin(ranges.ffn_max) >= need)
 
 
 def record(model: GGUFModel, setting: str, ranges: ActivationRanges | None) -> ResidualScale:
