@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from ane_spec.model.gguf_file import open_gguf
 from ane_spec.shards import weights as W
@@ -26,6 +27,8 @@ def test_q8_0_fast_path_gathers_rows_as_it_slices_them(tiny_gguf: Path) -> None:
     """A run of rows is sliced, any other index gathered: both give the full matrix's rows."""
     t = open_gguf(tiny_gguf).tensor("blk.0.ffn_up.weight")
     q_all, s_all = W._requantize_q8_0_rows(t, np.arange(t.shape[0]), W._CosineAccumulator())
+    converted = W.convert_matrix(t, "int8-channel")   # cast into its array, chunk by chunk
+    np.testing.assert_array_equal(converted.data[:, :, 0, 0], q_all)
     for idx in (np.arange(3, 40), np.array([7, 2, 2, 30, 5]), np.array([4, 5, 7, 8]),
                 np.array([4, 6, 5, 7])):  # spans 4 rows, not in order
         q, s = W._requantize_q8_0_rows(t, idx, W._CosineAccumulator())
@@ -49,3 +52,25 @@ def test_formats_and_cosines(tiny_gguf: Path) -> None:
     half = W.convert_matrix(t, "fp16", rows=slice(10, 20))
     assert half.data.shape == (10, 192, 1, 1) and half.scale is None
     np.testing.assert_allclose(half.data[:, :, 0, 0], ref[10:20], rtol=1e-3)
+
+
+def test_requantizing_in_threads_gives_the_serial_bits(tiny_gguf: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row chunks requantized by several threads: the same int8 rows, scales and cosine (its
+    sums are added in chunk order) as one thread, here with 7-row chunks over 5 threads."""
+    t = open_gguf(tiny_gguf).tensor("blk.0.ffn_up.weight")
+    index = np.arange(t.shape[0])
+    results = []
+    for threads in (1, 5):
+        monkeypatch.setattr(W, "REQUANT_THREADS", threads)
+        data = np.empty(t.shape, np.int8)
+        scale = np.empty((t.shape[0], 1), np.float16)
+        acc = W._CosineAccumulator()
+        W._requantize_q8_0_parallel(t, index, 7, data, scale, acc)
+        results.append((data, scale, acc.cosine()))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+    assert results[0][2] == results[1][2]
+    q, s = W._requantize_q8_0_rows(t, index, W._CosineAccumulator())
+    np.testing.assert_array_equal(results[1][0], q)
+    np.testing.assert_array_equal(results[1][1], s)
