@@ -33,6 +33,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -454,8 +455,15 @@ def _sigbus_ends_build(source: Path, out: Path, litter: tuple[Path, Path]) -> It
     full = (one_line(f"{prefix}a write through a memory map failed: is the disk holding {out} "
                      f"full? {out} was left as it was") + "\n").encode()
     folder, lock_file = litter
+    # Threads that read the map (the conversion, the calibration, the hashing beside them) can
+    # fault at once: the first says the line and exits; the others wait for that (returning
+    # would repeat their faulting access).
+    first = threading.Lock()
 
     def on_sigbus(_signum: int) -> None:
+        if not first.acquire(blocking=False):
+            while True:
+                time.sleep(60)
         try:
             gone = os.stat(source).st_size < size
         except OSError:
