@@ -22,7 +22,6 @@ memory one layer's.
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -188,7 +187,8 @@ def measure_activations(model: GGUFModel, prompts: Sequence[str] = CALIBRATION_P
                 f"the fp32 reference is not finite ({collect.non_finite[0]}) on the calibration "
                 "prompts: its weights hold NaN or infinite values, or the model itself "
                 "overflows fp32")
-        return ActivationRanges(layers=copy.deepcopy(collect.ranges), prompts=len(sequences),
+        # The first part's ranges are returned or dropped before the rest runs: no copy.
+        return ActivationRanges(layers=collect.ranges, prompts=len(sequences),
                                 tokens=tokens, seconds=time.monotonic() - started,
                                 embedding=collect.embedding)
 

@@ -291,9 +291,11 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
     def hashed() -> tuple[str, dict[str, str]]:
         nonlocal hashes
         if hashes is None:
-            if hashing is None:
+            if hashing is not None:
+                hashes = hashing.result()
+            else:
                 say(f"hashing {model.path.name}")
-            hashes = model.content_hashes() if hashing is None else hashing.result()
+                hashes = model.content_hashes()
             model.check_unchanged()
             pending.relay()
         return hashes

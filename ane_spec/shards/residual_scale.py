@@ -64,7 +64,7 @@ MAX_ABS_LOG2 = 12
 # The calibration stops after the first tokens of each prompt (activation_range.HEAD_TOKENS)
 # when both margins, as the program would hold them, are this many times SAFETY: the remaining
 # tokens would have to raise a peak 16x to change k or to bring either margin near SAFETY.
-# Random-weight models sit at thousands (synthetic Phi-4-mini: 2,250x) and stop; the real
+# Random-weight models sit at hundreds or more (synthetic Phi-4-mini: 573x) and stop; the real
 # Qwen2.5-Coder 0.5B (50x) and 1.5B (17x) do not, and are measured on every token.
 SETTLED_HEADROOM = 16.0
 

@@ -281,8 +281,7 @@ def _requantize_q8_0_parallel(t: Tensor, index: np.ndarray, step: int, data: np.
             chunk(n)
     else:
         with ThreadPoolExecutor(REQUANT_THREADS, thread_name_prefix="requantize") as pool:
-            for done in pool.map(chunk, range(len(starts))):
-                pass   # re-raises a chunk's error (a non-finite scale) here
+            list(pool.map(chunk, range(len(starts))))   # re-raises a chunk's error here
     for part in sums:
         agreement.merge(part)
 
@@ -329,8 +328,9 @@ def _requantize_q8_0_rows(t: Tensor, idx: np.ndarray, agreement: "_CosineAccumul
     weight array) when given: this is the build's innermost loop (issue 33)."""
     qs, d = t.q8_0()
     n = len(idx)
-    if n and int(idx[-1]) - int(idx[0]) + 1 == n and bool(np.all(np.diff(idx) == 1)):
-        qs, d = qs[int(idx[0]):int(idx[-1]) + 1], d[int(idx[0]):int(idx[-1]) + 1]
+    if n and bool(np.all(np.diff(idx) == 1)):
+        rows = slice(int(idx[0]), int(idx[0]) + n)
+        qs, d = qs[rows], d[rows]
     else:
         qs, d = qs[idx], d[idx]
     d32 = d.astype(np.float32)
