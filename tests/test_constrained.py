@@ -8,6 +8,7 @@ a grammar gives the same tokens with speculation on and off, whatever the drafte
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import jsonschema
@@ -146,3 +147,39 @@ def test_grammar_and_penalties_together_stay_exact(pipeline) -> None:
         out = generate(pipeline, prompt, ScriptedDrafter(plain.tokens, correct, tok.vocab_size),
                        max_tokens=48, grammar=grammar, sampling=params)
         assert out.tokens == plain.tokens
+
+
+def test_a_garbage_collection_inside_a_matcher_call_is_not_the_grammars_cost(
+        tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grammar cost guard reads the matcher's thread CPU time. A full collection that an
+    allocation inside a matcher call triggers runs in that thread too (tenths of a second in a
+    process with a large heap: a valid request was refused at 57 ms a token for a grammar that
+    costs 0.25); it is left out of the grammar's seconds, and the matcher's own time is not."""
+    import gc
+
+    from ane_spec.decode import work_clock
+
+    state = Grammar(tok, json_schema_grammar(SCHEMA)).start()
+    heap = [[i] for i in range(300_000)]   # makes a full collection cost something
+    matcher = state._matcher
+
+    class CollectingMatcher:
+        def __getattr__(self, name):
+            return getattr(matcher, name)
+
+        def compute_ff_tokens(self):
+            gc.collect()
+            return matcher.compute_ff_tokens()
+
+    _, alone = work_clock.timed(gc.collect)
+    before = time.thread_time()
+    gc.collect()
+    collect = time.thread_time() - before
+    assert collect > 0.005 and alone < collect / 5, (collect, alone)
+    monkeypatch.setattr(state, "_matcher", CollectingMatcher())
+    spent = state.cpu_seconds
+    state.forced_tokens()
+    assert state.cpu_seconds - spent < collect / 5, (state.cpu_seconds - spent, collect)
+    _, busy = work_clock.timed(sum, range(3_000_000))   # plain work counts in full
+    assert busy > 0.005
+    del heap

@@ -19,13 +19,13 @@ masked row and is rejected like any other.
 
 from __future__ import annotations
 
-import time
 from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
 from ane_spec.decode.json_tightening import tighten
+from ane_spec.decode.work_clock import timed
 from ane_spec.errors import AneSpecError
 from ane_spec.model.tokenizer import Tokenizer
 from ane_spec.runtime.row_keys import EXCLUDED
@@ -135,15 +135,16 @@ class GrammarState:
         self._bits = np.zeros((self.vocab + 31) // 32, dtype=np.int32)
         self._mask: np.ndarray | None = None
         self._fresh = False
-        # This thread's CPU time in the matcher (masks, advances, forced tokens): what the
-        # session's grammar cost guard reads.
+        # This thread's CPU time in the matcher (masks, advances, forced tokens), less garbage
+        # collections that ran meanwhile (work_clock.py): what the session's grammar cost guard
+        # reads.
         self.cpu_seconds = 0.0
 
     def _compute(self) -> None:
         if not self._fresh:
-            t0 = time.thread_time()
-            self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-            self.cpu_seconds += time.thread_time() - t0
+            _, took = timed(self._matcher.unsafe_compute_mask_ptr, self._bits.ctypes.data,
+                            self._bits.nbytes)
+            self.cpu_seconds += took
             self._mask = None
             self._fresh = True
 
@@ -197,9 +198,8 @@ class GrammarState:
         return keys
 
     def advance(self, token: int) -> None:
-        t0 = time.thread_time()
-        accepted = self._matcher.consume_token(int(token))
-        self.cpu_seconds += time.thread_time() - t0
+        accepted, took = timed(self._matcher.consume_token, int(token))
+        self.cpu_seconds += took
         if not accepted:
             raise GrammarError(f"token {token} is not allowed here: "
                                f"{_first_line(self._matcher.get_error())}")
@@ -207,10 +207,9 @@ class GrammarState:
 
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces next (empty when it leaves a choice)."""
-        t0 = time.thread_time()
-        forced = list(self._matcher.compute_ff_tokens())
-        self.cpu_seconds += time.thread_time() - t0
-        return forced
+        forced, took = timed(self._matcher.compute_ff_tokens)
+        self.cpu_seconds += took
+        return list(forced)
 
     @property
     def accepting(self) -> bool:
