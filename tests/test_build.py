@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import json
@@ -171,6 +172,80 @@ def test_failure_midway_keeps_the_previous_build(tiny_gguf: Path, tmp_path: Path
     assert (out / "manifest.json").read_text() == before
     load_manifest(out)
     assert not _leftovers(tmp_path)
+
+
+def test_a_full_disk_under_the_weight_file_leaves_the_previous_build(
+        tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weight file is written by blob_file.py's writer during the conversion: a write it
+    cannot make there ends the build with the path and the error, and nothing half-built."""
+    from ane_spec.shards import direct_file
+
+    out = tmp_path / "art"
+    build(tiny_gguf, out, BuildRequest(topology="2,1", max_seq=S))
+    before = (out / "manifest.json").read_text()
+    real_write = direct_file.DirectFile._write_stage
+    files: list[str] = []
+
+    def full(self, length: int) -> None:
+        files.extend([self.path] if self.path not in files else [])
+        if len(files) > 1:   # the first package's weights are written, the second's are not
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
+        real_write(self, length)
+
+    monkeypatch.setattr(direct_file.DirectFile, "_write_stage", full)
+    with pytest.raises(BuildError, match="No space left on device.*weight.bin"):
+        build(tiny_gguf, out, BuildRequest(topology="1,1,1", max_seq=S), force=True)
+    assert len(files) == 2
+    assert (out / "manifest.json").read_text() == before
+    load_manifest(out)
+    assert not _leftovers(tmp_path)
+
+
+def test_pooled_memory_is_reused_and_changes_no_byte(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build's pools (shards/weight_memory.py): the second of two alike shards converts into
+    the first's buffers, and the packages are those of a build without pools, byte for byte."""
+    from ane_spec.model import memory_pool
+    from ane_spec.model.synthetic import write_synthetic_gguf
+    from ane_spec.shards import weight_memory
+    from tests.test_conversion_passes import _contents
+
+    gguf = write_synthetic_gguf(tmp_path / "m.gguf", preset("tiny", num_layers=2))
+    request = BuildRequest(topology="1,1", max_seq=S, residual_scale="off")
+    monkeypatch.setattr(memory_pool, "MIN_POOLED_BYTES", 0)   # the tiny model's are small
+    new_buffers: list[int] = []
+    real_empty = memory_pool.MemoryPool.empty
+
+    def counted(self, shape, dtype):
+        before = self.pooled_bytes()
+        a = real_empty(self, shape, dtype)
+        if self is weight_memory._current[0]:
+            new_buffers.append(self.pooled_bytes() - before)
+        return a
+
+    monkeypatch.setattr(memory_pool.MemoryPool, "empty", counted)
+    shard_of_call: list[int] = []
+    real_shard = build_module._build_shard
+
+    def shard(*args, **kwargs):
+        shard_of_call.append(len(new_buffers))
+        return real_shard(*args, **kwargs)
+
+    monkeypatch.setattr(build_module, "_build_shard", shard)
+    build(gguf, tmp_path / "pooled", request)
+    first, second = shard_of_call   # weight allocations made before each shard's package
+    assert first > 0 and any(new_buffers[:first])
+    assert second > first and not any(new_buffers[first:second])   # all reused
+    monkeypatch.setattr(memory_pool.MemoryPool, "empty", real_empty)
+
+    @contextlib.contextmanager
+    def no_pools():
+        yield None
+
+    monkeypatch.setattr(build_module, "reused_weight_memory", no_pools)
+    build(gguf, tmp_path / "plain", request)
+    assert _contents(tmp_path / "pooled") == _contents(tmp_path / "plain")
+    assert weight_memory._current is None
 
 
 def test_each_program_is_freed_before_the_next_shard(tiny_gguf: Path, tmp_path: Path,

@@ -8,6 +8,7 @@ default pass matter, or a coremltools release whose default pipeline does more, 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from pathlib import Path
 
@@ -91,22 +92,8 @@ def test_reduced_pipeline_writes_the_default_pipelines_packages(
 
 def test_reduced_pipeline_with_lut8_weights(tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """auto weights where int8 falls short (an outlier column): lut8 tables, F16 and Q5_0
-    sources (test_weight_formats.py's file)."""
-    spec = preset("tiny", arch="llama", hidden_size=512, num_heads=8, num_kv_heads=2,
-                  ffn_size=1024, num_layers=1, embed_std=1.0, branch_scale=1.0, seed=3)
-    src = write_synthetic_gguf(tmp_path / "plain.gguf", spec)
-
-    def outliers(name: str, data: np.ndarray, qtype: GGMLQuantizationType):
-        if name not in ("blk.0.attn_q.weight", "blk.0.ffn_down.weight"):
-            return None
-        w = gguf_dequantize(data, qtype).copy()
-        w[:, 130] *= 100
-        if "attn" in name:
-            return w.astype(np.float16), GGMLQuantizationType.F16
-        return gguf_quantize(w, GGMLQuantizationType.Q5_0), GGMLQuantizationType.Q5_0
-
-    gguf = rewrite_gguf(src, tmp_path / "outliers.gguf", arch="llama", tensor_override=outliers)
+    """auto weights where int8 falls short: lut8 tables, F16 and Q5_0 sources."""
+    gguf = _outlier_gguf(tmp_path)
     request = BuildRequest(max_seq=64, weights="auto", residual_scale="off")
     _same_packages(gguf, tmp_path, request, monkeypatch)
     shard = load_manifest(tmp_path / "reduced").manifest.shards[0]
@@ -118,16 +105,17 @@ def test_the_pipeline_is_the_passes_named() -> None:
 
 
 def test_package_written_in_place_is_the_saved_one(tiny_gguf: Path, tmp_path: Path) -> None:
-    """`convert_options`' package_dir and `finish_package` write the package MLModel.save would
-    have copied there from a temporary folder, byte for byte (but Manifest.json's UUIDs): the
-    spec with the metadata ct.convert records after writing its package."""
+    """`convert_options`' package_dir, `weights_written_once` and `finish_package` write the
+    package MLModel.save would have copied there from a temporary folder, byte for byte (but
+    Manifest.json's UUIDs): the spec with the metadata ct.convert records after writing its
+    package, the weights coremltools' writer lays out from its own copies."""
     import tempfile
 
     from ane_spec.model.gguf_file import open_gguf
     from ane_spec.shards.conversion_passes import (
         convert_options,
         finish_package,
-        program_text_skipped,
+        weights_written_once,
     )
     from ane_spec.shards.layer_weights import layer_weights
 
@@ -154,7 +142,7 @@ def test_package_written_in_place_is_the_saved_one(tiny_gguf: Path, tmp_path: Pa
     previous, tempfile.tempdir = tempfile.tempdir, str(scratch)
     try:
         convert(pass_pipeline=conversion_pipeline()).save(str(saved_at))
-        with program_text_skipped():
+        with weights_written_once():
             finish_package(convert(**convert_options(in_place)), in_place)
     finally:
         tempfile.tempdir = previous
@@ -173,41 +161,90 @@ def test_package_written_in_place_is_the_saved_one(tiny_gguf: Path, tmp_path: Pa
     assert read[0] == read[1]
 
 
-def test_program_text_is_skipped_only_while_converting(tiny_gguf: Path) -> None:
-    import logging
+def _outlier_gguf(tmp_path: Path) -> Path:
+    """A file where int8 falls short under auto weights (an outlier column): lut8 tables, F16
+    and Q5_0 sources (test_weight_formats.py's file)."""
+    spec = preset("tiny", arch="llama", hidden_size=512, num_heads=8, num_kv_heads=2,
+                  ffn_size=1024, num_layers=1, embed_std=1.0, branch_scale=1.0, seed=3)
+    src = write_synthetic_gguf(tmp_path / "plain.gguf", spec)
 
-    from ane_spec.model.gguf_file import open_gguf
-    from ane_spec.shards.conversion_passes import program_text_skipped
-    from ane_spec.shards.layer_weights import layer_weights
+    def outliers(name: str, data: np.ndarray, qtype: GGMLQuantizationType):
+        if name not in ("blk.0.attn_q.weight", "blk.0.ffn_down.weight"):
+            return None
+        w = gguf_dequantize(data, qtype).copy()
+        w[:, 130] *= 100
+        if "attn" in name:
+            return w.astype(np.float16), GGMLQuantizationType.F16
+        return gguf_quantize(w, GGMLQuantizationType.Q5_0), GGMLQuantizationType.Q5_0
 
-    model = open_gguf(tiny_gguf)
-    prog = programs.layer_program(0, [layer_weights(model, 0, "int8-channel", {})],
-                                  model.config, 64, "BCT1")
-    full = str(prog)
-    assert "conv" in full
-    with program_text_skipped():
-        assert str(prog) == "<MIL program: text not rendered during ane-spec's conversion>"
-    assert str(prog) == full
-    logger = logging.getLogger("coremltools")   # pass_pipeline.py's logger
-    level = logger.level
-    logger.setLevel(logging.DEBUG)
-    try:
-        with program_text_skipped():   # someone reads the debug log: the text is there
-            assert str(prog) == full
-    finally:
-        logger.setLevel(level)
+    return rewrite_gguf(src, tmp_path / "outliers.gguf", arch="llama", tensor_override=outliers)
 
 
-def test_a_package_does_not_depend_on_programs_built_before(tmp_path: Path) -> None:
-    """coremltools names an unnamed op from a process-wide counter that only a finished
-    ct.convert clears: a program built and never converted (a probe, a lint) used to shift the
-    names in the next build's first package, so two builds of one model wrote two packages."""
-    gguf = write_synthetic_gguf(tmp_path / "m.gguf", preset("tiny", num_layers=1))
-    request = BuildRequest(max_seq=64, **OFF)
-    build(gguf, tmp_path / "first", request)
-    with programs.Function({"x": programs.mb.TensorSpec((1, 4))}) as stray:
-        stray.set_outputs([programs.mb.mul(x=programs.mb.add(x=stray.inputs["x"], y=1.0),
-                                           y=2.0)])
-    assert programs.mb.name_count, "the stray ops took names from the counter"
-    build(gguf, tmp_path / "second", request)
-    assert _contents(tmp_path / "second") == _contents(tmp_path / "first")
+@pytest.mark.parametrize("case", ["lut8", "phi3", "phi3-scaled", "qwen2"])
+def test_weights_written_once_are_coremltools_own(case: str, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole build's packages with `weights_written_once` and with coremltools' own
+    flatten-and-copy, byte for byte: int8 and uint8 (lut8 indices) weights, fp16 weights,
+    scales, tables and biases, an argmax head's int32."""
+    if case == "lut8":
+        gguf = _outlier_gguf(tmp_path)
+        request = BuildRequest(max_seq=64, weights="auto", residual_scale="off")
+    else:
+        name, spec, options = CASES[case]
+        gguf = write_synthetic_gguf(tmp_path / "m.gguf", preset(name, **spec))
+        request = BuildRequest(**{"max_seq": 64, **options})
+    once = build(gguf, tmp_path / "once", request)
+    with monkeypatch.context() as m:
+        m.setattr(programs, "weights_written_once", contextlib.nullcontext)
+        build(gguf, tmp_path / "copied", request)
+    once_files, copied_files = _contents(tmp_path / "once"), _contents(tmp_path / "copied")
+    assert once_files == copied_files and len(once_files) >= 2 * len(once.built)
+    if case == "lut8":
+        shard = load_manifest(tmp_path / "once").manifest.shards[0]
+        assert "lut8" in {t.format for t in shard.quant.tensors.values()}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "uint8", "int8", "uint16", "int16",
+                                   "int32", "uint32"])
+def test_each_weight_dtype_is_written_as_coremltools_writes_it(dtype: str,
+                                                               tmp_path: Path) -> None:
+    """Consts of each byte-sized dtype coremltools' blob writer takes, one non-contiguous,
+    through its own `_get_offset_by_writing_data` and writer, and through what
+    `weights_written_once` puts in their place: the same offsets, the same file."""
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.backend.mil import helper, load
+    from coremltools.converters.mil.mil import types as mil_types
+    from coremltools.libmilstoragepython import _BlobStorageWriter
+
+    from ane_spec.shards.blob_file import BlobFileWriter
+    from ane_spec.shards.conversion_passes import weights_written_once
+
+    rng = np.random.default_rng(5)
+    if dtype.startswith("float"):
+        values = [rng.standard_normal((6, 10)).astype(dtype)]
+    else:
+        info = np.iinfo(dtype)
+        values = [rng.integers(max(info.min, -1000), min(info.max, 1000),
+                               size=(6, 10)).astype(dtype)]
+    values += [values[0].T, values[0][:5, :7]]   # not C-contiguous; not a multiple of 64 bytes
+    consts = []
+
+    @mb.program(input_specs=[mb.TensorSpec((1,), dtype=mil_types.fp16)],
+                opset_version=ct.target.iOS18)
+    def prog(x):
+        consts.extend(mb.const(val=v) for v in values)
+        return x
+
+    original = helper._get_offset_by_writing_data
+    path = tmp_path / "coremltools.bin"
+    writer = _BlobStorageWriter(str(path))
+    expected = [original(c, writer) for c in consts]
+    del writer   # the C++ writer finishes its file when destroyed
+    with weights_written_once():
+        writer = load.BlobWriter(str(tmp_path / "once.bin"))
+        assert isinstance(writer, BlobFileWriter)
+        offsets = [helper._get_offset_by_writing_data(c, writer) for c in consts]
+        writer.close()
+    assert helper._get_offset_by_writing_data is original and load.BlobWriter is not BlobFileWriter
+    assert offsets == expected
+    assert (tmp_path / "once.bin").read_bytes() == path.read_bytes()

@@ -9,10 +9,12 @@ again with fstat, so swapping one in after the check gains nothing.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import json
 import math
+import mmap
 import os
 import stat
 from dataclasses import dataclass, field
@@ -93,26 +95,51 @@ def _walk_files(root: Path) -> list[tuple[tuple[str, ...], Path]]:
     return sorted(files)
 
 
-def hash_path(path: Path) -> tuple[int, str]:
+def hash_path(path: Path, *, uncached: bool = False) -> tuple[int, str]:
     """(bytes, sha256) of a file, or of a folder (an .mlpackage) as its sorted relative paths
-    and contents, so renaming or editing any file inside changes the hash."""
+    and contents, so renaming or editing any file inside changes the hash.
+
+    `uncached`: read past the page cache where the OS allows it (O_DIRECT), for files just
+    written past it that nothing else will read here (the build's packages, blob_file.py)."""
     h = hashlib.sha256()
     total = 0
     if stat.S_ISDIR(os.lstat(path).st_mode):
         files = [("/".join(parts).encode() + b"\0", f) for parts, f in _walk_files(path)]
     else:
         files = [(b"", path)]
-    for name, f in files:
-        h.update(name)
-        with open_regular(f) as fh:
-            while block := fh.read(_CHUNK):
-                h.update(block)
-                total += len(block)
+    buffer = mmap.mmap(-1, _CHUNK) if uncached else None   # page-aligned, as O_DIRECT needs
+    try:
+        for name, f in files:
+            h.update(name)
+            with open_regular(f) as fh:
+                if buffer is not None and _read_past_cache(fh.fileno()):
+                    while n := os.readv(fh.fileno(), [buffer]):
+                        with memoryview(buffer) as view:
+                            h.update(view[:n])
+                        total += n
+                    continue
+                while block := fh.read(_CHUNK):
+                    h.update(block)
+                    total += len(block)
+    finally:
+        if buffer is not None:
+            buffer.close()
     return total, h.hexdigest()
 
 
-def file_ref(root: Path, path: Path) -> FileRef:
-    size, digest = hash_path(path)
+def _read_past_cache(fd: int) -> bool:
+    """Turn on O_DIRECT for `fd`; False where this OS or filesystem has none."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+    except OSError:
+        return False
+    return True
+
+
+def file_ref(root: Path, path: Path, *, uncached: bool = False) -> FileRef:
+    size, digest = hash_path(path, uncached=uncached)
     return FileRef(path=path.relative_to(root).as_posix(), bytes=size, sha256=digest)
 
 

@@ -165,6 +165,7 @@ def measure_activations(model: GGUFModel, prompts: Sequence[str] = CALIBRATION_P
     safety factor). The rest continues from the first part's caches, so every token is still
     seen once; what the early stop saves is the rest's matmuls, what a full run costs beyond it
     is one more dequantization of the weights."""
+    from ane_spec.model.memory_pool import MemoryPool
     from ane_spec.model.reference import ReferenceModel
 
     say = progress or (lambda _msg: None)
@@ -176,8 +177,11 @@ def measure_activations(model: GGUFModel, prompts: Sequence[str] = CALIBRATION_P
     # Layer-major: all prompts through layer i before layer i+1, so each weight is dequantized
     # once and one layer's fp32 weights are held at a time (the build's memory stays bounded by
     # a shard, and a 3.8B model costs one pass over its weights, not one per prompt).
+    # The dequantized matrices come from a pool: layer after layer has the same shapes, and
+    # fresh pages cost a host fault each on the VMs this runs on (memory_pool.py).
     ref = ReferenceModel(model, context_window=window, materialize=False,
-                         observer=_Progress(collect, say, c.num_layers, started, checkpoint))
+                         observer=_Progress(collect, say, c.num_layers, started, checkpoint),
+                         allocate=MemoryPool().empty)
     total = sum(map(len, sequences))
     say(f"calibrating activations: {len(sequences)} prompts, {total} tokens, fp32 reference")
 

@@ -13,7 +13,7 @@ import math
 import mmap
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -127,15 +127,17 @@ class Tensor:
         if end > start:
             self.mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
-    def dequantize(self, dtype: np.dtype = np.float32) -> np.ndarray:
-        """The whole tensor as floats: allocates the whole float tensor, so it is for vectors,
-        tests and the reference; the build reads matrices with `rows`/`row_chunks`."""
+    def dequantize(self, dtype: np.dtype = np.float32,
+                   empty: Callable[..., np.ndarray] = np.empty) -> np.ndarray:
+        """The whole tensor as floats: allocates the whole float tensor (with `empty(shape,
+        dtype)` for block types), so it is for vectors, tests and the reference; the build
+        reads matrices with `rows`/`row_chunks`."""
         if self.is_q8_0:
             qs, d = self.q8_0()
-            return q8_0_dequantize(qs, d, dtype).reshape(self.shape)
+            return q8_0_dequantize(qs, d, dtype, empty).reshape(self.shape)
         if not self.is_float:
             rows = self.raw.reshape(-1, self.raw.shape[-1])
-            out = np.empty((rows.shape[0], self.shape[-1]), dtype)
+            out = empty((rows.shape[0], self.shape[-1]), dtype)
             step = self.rows_per_chunk()
             for r0 in range(0, rows.shape[0], step):
                 out[r0:r0 + step] = dequantize_rows(rows[r0:r0 + step], self.type,

@@ -12,6 +12,8 @@ int8 values without copying anything out of the memmap.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
@@ -59,9 +61,11 @@ def q8_0_blocks(raw: np.ndarray, in_features: int) -> np.ndarray:
     return rows.view(Q8_0_DTYPE).reshape(rows.shape[0], n_blocks)
 
 
-def q8_0_dequantize(qs: np.ndarray, scales: np.ndarray, dtype: np.dtype = np.float32) -> np.ndarray:
-    """Blocked int8 `[rows, nb, 32]` and fp16 scales `[rows, nb]` -> `[rows, nb*32]`."""
-    out = np.empty(qs.shape, dtype=dtype)
+def q8_0_dequantize(qs: np.ndarray, scales: np.ndarray, dtype: np.dtype = np.float32,
+                    empty: Callable[..., np.ndarray] = np.empty) -> np.ndarray:
+    """Blocked int8 `[rows, nb, 32]` and fp16 scales `[rows, nb]` -> `[rows, nb*32]`, in an
+    array from `empty(shape, dtype)` (a memory_pool.MemoryPool's, to reuse memory)."""
+    out = empty(qs.shape, dtype)
     # int8 * float32 into a preallocated output: numpy casts the int8 in small buffers, so the
     # only full-size allocation is the result itself.
     np.multiply(qs, scales.astype(dtype)[..., None], out=out)

@@ -91,9 +91,11 @@ class Weights:
     """
 
     def __init__(self, gguf: GGUFModel, dtype: torch.dtype, materialize: bool,
-                 transform: WeightTransform | None = None):
+                 transform: WeightTransform | None = None,
+                 empty: Callable[..., np.ndarray] = np.empty):
         self.gguf, self.dtype, self.materialize = gguf, dtype, materialize
         self.transform = transform
+        self.empty = empty   # where dequantized matrices go (a MemoryPool's, to reuse pages)
         self._cache: dict[str, torch.Tensor] = {}
 
     def __call__(self, name: str) -> torch.Tensor:
@@ -116,7 +118,7 @@ class Weights:
         return torch.from_numpy(self.gguf.tensor(name).rows(np.asarray(ids))).to(self.dtype)
 
     def _load(self, t: Tensor) -> torch.Tensor:
-        values = t.dequantize(np.float32)
+        values = t.dequantize(np.float32, self.empty)
         if self.transform is not None:
             values = self.transform(t.name, values)
         if not values.flags.writeable:  # F32 tensors: read-only views of the memmap
@@ -153,7 +155,8 @@ class ReferenceModel:
     def __init__(self, gguf: GGUFModel, *, context_window: int = 4096,
                  dtype: torch.dtype = torch.float32, materialize: bool | None = None,
                  weight_transform: WeightTransform | None = None,
-                 observer: Observer | None = None):
+                 observer: Observer | None = None,
+                 allocate: Callable[..., np.ndarray] = np.empty):
         self.gguf = gguf
         self.observe: Observer = observer or (lambda _what, _layer, _x: None)
         self.config = c = gguf.config
@@ -164,7 +167,7 @@ class ReferenceModel:
         self.dtype = dtype
         if materialize is None:
             materialize = c.num_parameters() * torch.finfo(dtype).bits // 8 <= MATERIALIZE_LIMIT_BYTES
-        self.w = Weights(gguf, dtype, materialize, weight_transform)
+        self.w = Weights(gguf, dtype, materialize, weight_transform, allocate)
         self.head_name = "output.weight" if not c.tied_embeddings else "token_embd.weight"
         self.arch = c.architecture
         self.rope_fn = apply_rope if self.arch.rope_type == "neox" else apply_rope_norm

@@ -76,6 +76,8 @@ from ane_spec.shards.embeddings import write_embeddings
 from ane_spec.shards.frozen_heap import freeze_more, frozen_heap
 from ane_spec.shards import scale_aside
 from ane_spec.shards.hash_aside import HashAside
+from ane_spec.shards import weight_memory
+from ane_spec.shards.weight_memory import reused_weight_memory
 from ane_spec.shards.kv_traffic import format_bytes, kv_traffic
 from ane_spec.shards.layer_graph import CORRECT, GraphVariant, LayerWeights, Layout, MaskForm
 from ane_spec.shards.layer_weights import finite_vector, layer_tensor_names, layer_weights
@@ -225,7 +227,7 @@ def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
             (tmp / "shards").mkdir(parents=True)
             try:
                 with _sigbus_ends_build(model.path, out, litter=(tmp, lock.path)), \
-                        frozen_heap():
+                        frozen_heap(), reused_weight_memory():
                     result = _build_into(model, request, ranges, head_plan, out, tmp, say,
                                          variant, calibrate_aside)
                     model.check_unchanged()
@@ -358,6 +360,7 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
         pending.relay()
         shards.append(entry)
 
+    weight_memory.trim()   # the layers' buffers: the head's chunks are larger
     residual = decided()  # a build of reused shards only (or of none) has not asked yet
     log2 = residual.log2_factor
     source_sha, tensor_sha = hashed()
@@ -395,6 +398,7 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
         model.check_unchanged()
         heads.append(head)
     shutil.rmtree(_converter_tmp(tmp), ignore_errors=True)
+    weight_memory.trim()
 
     say("embeddings and tokenizer")
     embd = model.tensor("token_embd.weight")
@@ -404,7 +408,8 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
     residual.inexact_values["embeddings"] = fold.inexact
     embeddings = EmbeddingsEntry(format=fmt, vocab_size=model.config.vocab_size,
                                  dim=model.config.hidden_size,
-                                 files={k: file_ref(tmp, p) for k, p in files.items()})
+                                 files={k: file_ref(tmp, p, uncached=True)
+                                        for k, p in files.items()})
     tok_path = tmp / "tokenizer.json"
     tok_path.write_text(model.tokenizer_data.model_dump_json())
     model.check_unchanged()
@@ -861,7 +866,7 @@ def _save_checked(holder: list[Program], tmp: Path, rel: str, kind: str, weights
     del prog
     gc.collect()
     check_package(path, kind=kind, weights=weights, prefill_t=prefill_t)
-    return file_ref(tmp, path), interface
+    return file_ref(tmp, path, uncached=True), interface
 
 
 def _converter_tmp(tmp: Path) -> Path:

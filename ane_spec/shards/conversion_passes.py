@@ -26,8 +26,8 @@ release change what the default pipeline does, that test fails; CONVERSION_PASSE
 back to the default pipeline. The backend pipeline (name sanitising, unused inputs, ...) runs
 either way: `pass_pipeline` replaces only the main one.
 
-Two more costs of `ct.convert` that buy a build nothing, removed by what `save_package` passes
-and wraps it in (`convert_options`, `finish_package`, `program_text_skipped`):
+More costs of `ct.convert` that buy a build nothing, removed by what `save_package` passes
+and wraps it in (`convert_options`, `finish_package`, `weights_written_once`):
 
 - it writes the package into a temporary folder and `MLModel.save` then copies it, a whole
   shard's weights (1.7 GB on Phi-4-mini) written and read once more; `package_dir` makes it
@@ -35,22 +35,29 @@ and wraps it in (`convert_options`, `finish_package`, `program_text_skipped`):
   the source, the date) in the model after writing the package, and `save` writes the model's
   spec again after copying: `finish_package` writes that spec, a few hundred kB, so the package
   is the one `save` made;
-- each pass pipeline logs the whole program as text before and after it runs, in an f-string
-  that is formatted even when debug logging is off: six renderings of every op per package,
-  a sixth of the conversion once the main pipeline is reduced.
+- even so, the weight file is written in a temporary folder (converter.py's `weights_dir`) and
+  copied into the package (`ModelPackage::addItem` is a `std::filesystem::copy`), and each
+  weight array is copied by `flatten()` before it is written (backend/mil/helper.py's
+  `_get_offset_by_writing_data`): on Phi-4-mini 3.3 GB of fresh memory, then 3.3 GB read and
+  written again, 15-25 s of a 50-75 s build. `weights_written_once` writes each array from a
+  view of itself and moves the file into the package: the same bytes, written once, and past
+  the page cache (blob_file.py says why that matters here).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import coremltools as ct
-from coremltools.converters.mil.mil import Program
-from coremltools.converters.mil.mil.passes import pass_pipeline
+import numpy as np
+from coremltools.converters.mil.mil import types
+
+from ane_spec.shards.blob_file import BLOB_TYPES, BlobFileWriter
 
 # In the order coremltools' default pipeline runs them. None: the whole default pipeline.
 CONVERSION_PASSES: tuple[str, ...] | None = (
@@ -77,24 +84,78 @@ def convert_options(path: Path) -> dict[str, object]:
     return {"pass_pipeline": conversion_pipeline(), "package_dir": os.fspath(path)}
 
 
+# The MIL dtypes whose values coremltools packs below a byte before writing: left to it.
+_PACKED_DTYPES = ("int4", "uint1", "uint2", "uint3", "uint4", "uint6")
+# The blob writer's method for each stored numpy dtype (helper.py's dispatch; fp16 goes as bits).
+_WRITE_METHOD = {
+    np.dtype(np.float32): "write_float_data",
+    np.dtype(np.float16): "write_fp16_data",
+    np.dtype(np.uint8): "write_uint8_data",
+    np.dtype(np.int8): "write_int8_data",
+    np.dtype(np.uint16): "write_uint16_data",
+    np.dtype(np.int16): "write_int16_data",
+    np.dtype(np.int32): "write_int32_data",
+    np.dtype(np.uint32): "write_uint32_data",
+}
+
+
 @contextlib.contextmanager
-def program_text_skipped() -> Iterator[None]:
-    """While converting: a MIL program's text is one short line, unless coremltools' debug
-    logging is on (the only reader of the text the pass pipelines format, pass_pipeline.py's
-    `logger.debug(f"Program before ... {prog}")`)."""
-    if pass_pipeline.logger.isEnabledFor(logging.DEBUG):
-        yield
-        return
-    original = Program.__str__
-    Program.__str__ = lambda self: "<MIL program: text not rendered during ane-spec's conversion>"
+def weights_written_once() -> Iterator[None]:
+    """While converting: the weight file is written by blob_file.BlobFileWriter (coremltools'
+    layout, past the page cache), each weight handed to it as a view of its own array (the
+    bytes `flatten()`'s copy would hold), and moved into the package instead of copied (a
+    rename: both lie in the build's folder). tests/test_conversion_passes.py checks that the
+    packages are coremltools' own, byte for byte."""
+    from coremltools.converters.mil.backend.mil import helper, load
+    from coremltools.models import model as ct_model
+
+    write_original = helper.__dict__["_get_offset_by_writing_data"]
+    package_original = ct_model.__dict__["_create_mlpackage"]
+    writer_original = load.__dict__["BlobWriter"]
+    writers: list[BlobFileWriter] = []
+
+    def open_writer(file_name: str, truncate_file: bool = True) -> BlobFileWriter:
+        writers.append(BlobFileWriter(file_name, truncate_file))
+        return writers[-1]
+
+    def write(output_var, blob_writer) -> int:
+        val = output_var.val
+        method = _WRITE_METHOD.get(getattr(val, "dtype", None))
+        if (method is None or not isinstance(val, np.ndarray)
+                or types.builtin_to_string(output_var.dtype) in _PACKED_DTYPES):
+            return write_original(output_var, blob_writer)
+        as_dtype = BLOB_TYPES[method][0]
+        return getattr(blob_writer, method)(np.ascontiguousarray(val).reshape(-1).view(as_dtype))
+
+    def create_package(proto_spec, weights_dir=None, package_path=None) -> str:
+        for w in writers:   # the proto is whole: every weight has been written
+            w.close()
+        if weights_dir is None or package_path is None:
+            return package_original(proto_spec, weights_dir, package_path)
+        with tempfile.TemporaryDirectory(dir=Path(weights_dir).parent) as empty:
+            path = package_original(proto_spec, empty, package_path)
+        into = Path(path, *SPEC_IN_PACKAGE).parent / WEIGHTS_IN_PACKAGE
+        for item in sorted(os.listdir(weights_dir)):
+            shutil.move(os.path.join(weights_dir, item), into / item)
+        return path
+
+    helper._get_offset_by_writing_data = write
+    ct_model._create_mlpackage = create_package
+    load.BlobWriter = open_writer
     try:
         yield
     finally:
-        Program.__str__ = original
+        helper._get_offset_by_writing_data = write_original
+        ct_model._create_mlpackage = package_original
+        load.BlobWriter = writer_original
+        for w in writers:   # a conversion that failed part-way: its file descriptors
+            w.discard()
 
 
 # Where a package keeps its spec: coremltools' models/utils.py `_get_model_spec_path`.
 SPEC_IN_PACKAGE = ("Data", "com.apple.CoreML", "model.mlmodel")
+# The weights' folder beside it: utils.py's `_WEIGHTS_DIR_NAME` (the item `_create_mlpackage` adds).
+WEIGHTS_IN_PACKAGE = "weights"
 
 
 def finish_package(model: ct.models.MLModel, path: Path) -> None:

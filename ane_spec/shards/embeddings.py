@@ -16,12 +16,16 @@ exponent wherever fp16 keeps it normal.
 
 from __future__ import annotations
 
+import contextlib
+import io
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from ane_spec.model.gguf_file import Tensor
 from ane_spec.model.quant import q8_0_blocks, q8_0_quantize
+from ane_spec.shards.direct_file import DirectFile
 from ane_spec.shards.residual_scale import FoldCount, scale_fp16
 
 ROWS_PER_CHUNK = 16384
@@ -30,7 +34,11 @@ ROWS_PER_CHUNK = 16384
 def write_embeddings(t: Tensor, folder: Path, log2_factor: int = 0,
                      fold: FoldCount | None = None) -> tuple[str, dict[str, Path]]:
     """Write the table as .npy files in row chunks, times 2^log2_factor; returns (format,
-    role -> path). `fold` counts the values scaled and those fp16 could not scale exactly."""
+    role -> path). `fold` counts the values scaled and those fp16 could not scale exactly.
+
+    The rows are appended past the page cache (direct_file.py), not written through a memory
+    map: the same files open_memmap made, without a fresh page per written page, and a full
+    disk is an OSError the build reports, not a SIGBUS."""
     folder.mkdir(parents=True, exist_ok=True)
     vocab, dim = t.shape
     fold = fold if fold is not None else FoldCount()
@@ -41,31 +49,46 @@ def write_embeddings(t: Tensor, folder: Path, log2_factor: int = 0,
         out, n = scale_fp16(values.astype(np.float16), log2_factor, t.name)
         fold.add(n)
         return out
-    if t.is_q8_0 or not t.is_float:
-        qs_path, scales_path = folder / "embed_qs.npy", folder / "embed_scales.npy"
-        qs_out = np.lib.format.open_memmap(qs_path, "w+", np.int8, (vocab, dim))
-        sc_out = np.lib.format.open_memmap(scales_path, "w+", np.float16, (vocab, dim // 32))
-        if t.is_q8_0:
-            qs, d = t.q8_0()
-            for r0 in range(0, vocab, ROWS_PER_CHUNK):
-                r1 = min(vocab, r0 + ROWS_PER_CHUNK)
-                qs_out[r0:r1] = qs[r0:r1].reshape(r1 - r0, dim)
-                sc_out[r0:r1] = scaled(d[r0:r1])
-                t.release(r0, r1)
-        else:
-            for r0, rows in t.row_chunks(t.rows_per_chunk()):
-                blocks = q8_0_blocks(q8_0_quantize(rows), dim)
-                r1 = r0 + rows.shape[0]
-                qs_out[r0:r1] = blocks["qs"].reshape(r1 - r0, dim)
-                sc_out[r0:r1] = scaled(blocks["d"])
-        qs_out.flush()
-        sc_out.flush()
-        del qs_out, sc_out
-        return "q8_0", {"qs": qs_path, "scales": scales_path}
-    path = folder / "embed_f16.npy"
-    out = np.lib.format.open_memmap(path, "w+", np.float16, (vocab, dim))
-    for r0, rows in t.row_chunks(ROWS_PER_CHUNK):
-        out[r0:r0 + rows.shape[0]] = scaled(rows.astype(np.float16))
-    out.flush()
-    del out
-    return "fp16", {"table": path}
+    with contextlib.ExitStack() as files:
+        if t.is_q8_0 or not t.is_float:
+            qs_path, scales_path = folder / "embed_qs.npy", folder / "embed_scales.npy"
+            qs_out = files.enter_context(_npy_file(qs_path, np.int8, (vocab, dim)))
+            sc_out = files.enter_context(_npy_file(scales_path, np.float16, (vocab, dim // 32)))
+            if t.is_q8_0:
+                qs, d = t.q8_0()
+                for r0 in range(0, vocab, ROWS_PER_CHUNK):
+                    r1 = min(vocab, r0 + ROWS_PER_CHUNK)
+                    qs_out.append(np.ascontiguousarray(qs[r0:r1]))
+                    sc_out.append(np.ascontiguousarray(scaled(d[r0:r1]), np.float16))
+                    t.release(r0, r1)
+            else:
+                for r0, rows in t.row_chunks(t.rows_per_chunk()):
+                    blocks = q8_0_blocks(q8_0_quantize(rows), dim)
+                    qs_out.append(np.ascontiguousarray(blocks["qs"]))
+                    sc_out.append(np.ascontiguousarray(scaled(blocks["d"]), np.float16))
+            return "q8_0", {"qs": qs_path, "scales": scales_path}
+        path = folder / "embed_f16.npy"
+        out = files.enter_context(_npy_file(path, np.float16, (vocab, dim)))
+        for r0, rows in t.row_chunks(ROWS_PER_CHUNK):
+            out.append(np.ascontiguousarray(scaled(rows.astype(np.float16)), np.float16))
+        return "fp16", {"table": path}
+
+
+@contextlib.contextmanager
+def _npy_file(path: Path, dtype: type, shape: tuple[int, int]) -> Iterator[DirectFile]:
+    """A .npy file of `shape` whose rows the caller appends in order: the header open_memmap
+    writes (format 1.0), then the data; finished only if every byte of it came."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {
+        "descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
+        "shape": shape})
+    out = DirectFile(path)
+    try:
+        out.append(header.getvalue())
+        yield out
+        expected = len(header.getvalue()) + int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if out.size != expected:
+            raise AssertionError(f"{path.name}: {out.size} bytes written, {expected} expected")
+        out.close()
+    finally:
+        out.discard()

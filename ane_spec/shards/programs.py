@@ -27,7 +27,11 @@ from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
 
 from ane_spec.model.config import ModelConfig
 from ane_spec.shards import weight_sharing  # noqa: F401 - registers ane_spec::share_weights_across_functions
-from ane_spec.shards.conversion_passes import convert_options, finish_package
+from ane_spec.shards.conversion_passes import (
+    convert_options,
+    finish_package,
+    weights_written_once,
+)
 from ane_spec.shards.frozen_heap import frozen_heap
 from ane_spec.shards.layer_graph import (
     CORRECT,
@@ -371,7 +375,8 @@ def save_package(prog: Program, path: Path, tmp_dir: Path | None = None) -> None
     options = convert_options(path)
     if len(prog.functions) > 1:
         options["pass_pipeline"] = with_weight_sharing(options["pass_pipeline"])
-    with _quiet_pass_pipeline(), _validate_once(), _tempfile_dir(tmp_dir), frozen_heap():
+    with _quiet_pass_pipeline(), _validate_once(), _tempfile_dir(tmp_dir), frozen_heap(), \
+            weights_written_once():
         model = ct.convert(prog, inputs=inputs, minimum_deployment_target=OPSET,
                            compute_precision=ct.precision.FLOAT32, skip_model_load=True,
                            convert_to="mlprogram", **options)

@@ -36,6 +36,7 @@ from typing import Literal
 
 import numpy as np
 
+from ane_spec.shards import weight_memory
 from ane_spec.errors import BuildError, untrusted
 from ane_spec.model.gguf_file import Tensor
 from ane_spec.model.quant import q8_0_quantize, q8_0_blocks
@@ -226,7 +227,7 @@ def convert_matrix(t: Tensor, fmt: StoredFormat, rows: slice | None = None,
 
     out, inp = len(index), t.shape[1]
     dtype = {"int8-channel": np.int8, "lut8": np.uint8, "fp16": np.float16}[fmt]
-    data = np.empty((out, inp, 1, 1), dtype)
+    data = weight_memory.empty((out, inp, 1, 1), dtype)   # reused between a build's packages
     scale = np.empty((out, 1, 1, 1), np.float16) if fmt == "int8-channel" else None
     lut = None
     if fmt == "lut8":
@@ -335,14 +336,20 @@ def _requantize_q8_0_rows(t: Tensor, idx: np.ndarray, agreement: "_CosineAccumul
         qs, d = qs[idx], d[idx]
     d32 = d.astype(np.float32)
     require_finite(t.name, d32, int(idx[0]), " (Q8_0 scales)")
-    original = (qs * d32[..., None]).reshape(n, -1)   # exact: 8 x 11 bits < 24
+    # The chunk's two float32 temporaries come from the build's scratch pool (weight_memory.py:
+    # fresh pages cost a host fault each on the VMs this is built on).
+    original = weight_memory.scratch(qs.shape, np.float32)
+    np.multiply(qs, d32[..., None], out=original)   # exact: 8 x 11 bits < 24
+    original = original.reshape(n, -1)
     amax = np.maximum(original.max(axis=1), -original.min(axis=1))[:, None]
     with np.errstate(over="ignore"):
         s16 = np.where(amax == 0, 1.0, amax / 127.0).astype(np.float16)
     require_finite(t.name, s16, int(idx[0]), " (int8 scales beyond the fp16 range)")
     s32 = s16.astype(np.float32)
     # Quantize against the fp16 scale actually stored, so the rounding matches what runs.
-    qf = (qs * (d32 / s32)[..., None]).reshape(n, -1)
+    qf = weight_memory.scratch(qs.shape, np.float32)
+    np.multiply(qs, (d32 / s32)[..., None], out=qf)
+    qf = qf.reshape(n, -1)
     np.rint(qf, out=qf)
     np.clip(qf, -127, 127, out=qf)
     if out is None:

@@ -1,0 +1,93 @@
+"""A package's weight file (`weights/weight.bin`) written as coremltools' blob writer lays it
+out, byte for byte, but past the page cache where the OS allows it (direct_file.py says why).
+
+The layout is MILBlob's (coremltools mlmodel/src/MILBlob/Blob/StorageFormat.hpp,
+StorageWriter.cpp, FileWriter.cpp): a 64-byte header (blob count, version 2, reserved zeros);
+then per blob, at the next multiple of 64 past the file's end (the gap reads as zeros), a 64-byte
+metadata record (sentinel 0xDEADBEEF, data type, size in bytes, the data's offset, unused bits,
+reserved zeros) and the data right after it. Each write returns the metadata's offset, which the
+program's proto records. The header's count is known only at the end: it is written last, in
+place, through the cache.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from ane_spec.shards.direct_file import DirectFile
+
+ALIGNMENT = 64   # DefaultStorageAlignment
+_SENTINEL = 0xDEADBEEF
+_VERSION = 2
+_HEADER = struct.Struct("<II7Q")       # storage_header: count, version, reserved_0..6
+_METADATA = struct.Struct("<IIQQQ4Q")  # blob_metadata: sentinel, mil_dtype, sizeInBytes,
+#                                        offset, padding_size_in_bits, reserved_1..4
+# The writer methods coremltools' backend calls (helper.py `_get_offset_by_writing_data`), the
+# array dtype each is handed (fp16 arrives as its bits) and BlobDataType.hpp's code for it.
+BLOB_TYPES: dict[str, tuple[np.dtype, int]] = {
+    "write_fp16_data": (np.dtype(np.uint16), 1),
+    "write_float_data": (np.dtype(np.float32), 2),
+    "write_uint8_data": (np.dtype(np.uint8), 3),
+    "write_int8_data": (np.dtype(np.int8), 4),
+    "write_int16_data": (np.dtype(np.int16), 6),
+    "write_uint16_data": (np.dtype(np.uint16), 7),
+    "write_int32_data": (np.dtype(np.int32), 14),
+    "write_uint32_data": (np.dtype(np.uint32), 15),
+}
+
+
+class BlobFileWriter:
+    """Stands in for coremltools' `libmilstoragepython._BlobStorageWriter` (same constructor,
+    same write_*_data methods and offsets) for the byte-sized types; `close()` must be called
+    to finish the file (the C++ writer finishes on destruction)."""
+
+    def __init__(self, file_name: str, truncate_file: bool = True, *, direct: bool = True):
+        if not truncate_file:
+            raise ValueError("the blob file writer only writes new files (truncate_file=True)")
+        self.path = file_name
+        self._file = DirectFile(file_name, direct=direct)
+        self._count = 0
+        self._file.append(_HEADER.pack(0, _VERSION, *[0] * 7))   # its count: at close()
+
+    @property
+    def direct(self) -> bool:
+        return self._file.direct
+
+    def write(self, method: str, data: np.ndarray) -> int:
+        """Append one blob; return the offset of its metadata (what the proto records)."""
+        if self._file.closed:
+            raise ValueError(f"{self.path}: the blob file is closed")
+        dtype, code = BLOB_TYPES[method]
+        if data.dtype != dtype:
+            raise TypeError(f"{method} takes {dtype} values, not {data.dtype}")
+        flat = np.ascontiguousarray(data).reshape(-1)
+        end = self._file.size
+        metadata_at = -(-end // ALIGNMENT) * ALIGNMENT
+        self._file.append(bytes(metadata_at - end))
+        self._file.append(_METADATA.pack(_SENTINEL, code, flat.nbytes,
+                                         metadata_at + _METADATA.size, 0, *[0] * 4))
+        self._file.append(memoryview(flat))
+        self._count += 1
+        return metadata_at
+
+    def __getattr__(self, name: str):
+        if name in BLOB_TYPES:
+            return lambda data: self.write(name, data)
+        if name.startswith("write_") and name.endswith("_data"):
+            raise NotImplementedError(f"{name}: sub-byte blobs are left to coremltools' writer; "
+                                      "no program this project builds has them")
+        raise AttributeError(name)
+
+    def close(self) -> None:
+        """Finish the file: what is staged, then the header with the blob count."""
+        if self._file.closed:
+            return
+        self._file.close()
+        with open(self.path, "r+b") as fh:
+            fh.write(_HEADER.pack(self._count, _VERSION, *[0] * 7))
+
+    def discard(self) -> None:
+        """Close without finishing the file (a conversion that failed part-way)."""
+        self._file.discard()
