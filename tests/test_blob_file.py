@@ -153,3 +153,31 @@ def test_a_filesystem_without_direct_io_gets_buffered_writes(
     assert refused == [refused_at] and not ours.direct
     assert offsets == expected
     assert (tmp_path / "ours.bin").read_bytes() == (tmp_path / "theirs.bin").read_bytes()
+
+
+def test_hashing_goes_on_through_the_cache_where_direct_reads_are_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A filesystem may take O_DIRECT at open and refuse the reads (EINVAL): the hash is read
+    on through the cache, the same hash."""
+    import errno
+    import fcntl
+    import os
+
+    from ane_spec.manifests import store
+
+    f = tmp_path / "w.bin"
+    f.write_bytes(np.random.default_rng(4).bytes(3 * (1 << 16) + 9))
+    plain = store.hash_path(f)
+    real_readv = os.readv
+    refused: list[int] = []
+
+    def readv(fd, buffers):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_readv(fd, buffers)
+
+    monkeypatch.setattr(store, "_CHUNK", 1 << 16)
+    monkeypatch.setattr(os, "readv", readv)
+    assert store.hash_path(f, uncached=True) == plain
+    assert len(refused) == 1

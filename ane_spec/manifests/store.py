@@ -9,6 +9,7 @@ again with fstat, so swapping one in after the check gains nothing.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import io
@@ -113,10 +114,7 @@ def hash_path(path: Path, *, uncached: bool = False) -> tuple[int, str]:
             h.update(name)
             with open_regular(f) as fh:
                 if buffer is not None and _read_past_cache(fh.fileno()):
-                    while n := os.readv(fh.fileno(), [buffer]):
-                        with memoryview(buffer) as view:
-                            h.update(view[:n])
-                        total += n
+                    total += _hash_direct(fh.fileno(), buffer, h)
                     continue
                 while block := fh.read(_CHUNK):
                     h.update(block)
@@ -125,6 +123,25 @@ def hash_path(path: Path, *, uncached: bool = False) -> tuple[int, str]:
         if buffer is not None:
             buffer.close()
     return total, h.hexdigest()
+
+
+def _hash_direct(fd: int, buffer: mmap.mmap, h: "hashlib._Hash") -> int:
+    """Hash the rest of `fd` (opened with O_DIRECT) through `buffer`; a filesystem that took
+    the flag but refuses its reads (EINVAL) is read on through the cache. Returns the bytes."""
+    total = 0
+    while True:
+        try:
+            n = os.readv(fd, [buffer])
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            continue
+        if not n:
+            return total
+        with memoryview(buffer) as view:
+            h.update(view[:n])
+        total += n
 
 
 def _read_past_cache(fd: int) -> bool:
