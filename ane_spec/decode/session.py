@@ -351,8 +351,9 @@ class _Run:
     def check_grammar_cost(self) -> None:
         """Raise GrammarTooCostly when the grammar's masks cost more than the budget per token,
         on average over the last GRAMMAR_WINDOW tokens (thread CPU time less garbage
-        collections, work_clock.py: neither a loaded machine nor a large heap trips it). An ambiguous grammar's cost grows with every token (`e ::= e e | e e e |
-        [a-z]`: 0.01 ms at first, 450 ms by token 275); a real one stays far below 1 ms."""
+        collections, work_clock.py: neither a loaded machine nor a large heap trips it). An
+        ambiguous grammar's cost grows with every token (`e ::= e e | e e e | [a-z]`: 0.01 ms
+        at first, 450 ms by token 275); a real one stays far below 1 ms."""
         budget, grammar = self.options.grammar_token_seconds, self.chooser.grammar
         if budget is None or grammar is None:
             return

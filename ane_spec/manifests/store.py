@@ -10,7 +10,6 @@ again with fstat, so swapping one in after the check gains nothing.
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import io
 import json
@@ -34,6 +33,7 @@ from ane_spec.manifests.schema import (
     GateResult,
     Manifest,
 )
+from ane_spec.model.direct_io import set_direct_io
 
 if TYPE_CHECKING:
     from ane_spec.model.tokenizer_data import TokenizerData
@@ -113,7 +113,7 @@ def hash_path(path: Path, *, uncached: bool = False) -> tuple[int, str]:
         for name, f in files:
             h.update(name)
             with open_regular(f) as fh:
-                if buffer is not None and _read_past_cache(fh.fileno()):
+                if buffer is not None and set_direct_io(fh.fileno(), True):
                     total += _hash_direct(fh.fileno(), buffer, h)
                     continue
                 while block := fh.read(_CHUNK):
@@ -135,24 +135,13 @@ def _hash_direct(fd: int, buffer: mmap.mmap, h: "hashlib._Hash") -> int:
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            set_direct_io(fd, False)
             continue
         if not n:
             return total
         with memoryview(buffer) as view:
             h.update(view[:n])
         total += n
-
-
-def _read_past_cache(fd: int) -> bool:
-    """Turn on O_DIRECT for `fd`; False where this OS or filesystem has none."""
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
-    except OSError:
-        return False
-    return True
 
 
 def file_ref(root: Path, path: Path, *, uncached: bool = False) -> FileRef:

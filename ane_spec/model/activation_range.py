@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ane_spec.model.gguf_file import GGUFModel
+from ane_spec.model.memory_pool import MemoryPool
 from ane_spec.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # torch is imported with the reference, only when measuring
@@ -165,7 +166,6 @@ def measure_activations(model: GGUFModel, prompts: Sequence[str] = CALIBRATION_P
     safety factor). The rest continues from the first part's caches, so every token is still
     seen once; what the early stop saves is the rest's matmuls, what a full run costs beyond it
     is one more dequantization of the weights."""
-    from ane_spec.model.memory_pool import MemoryPool
     from ane_spec.model.reference import ReferenceModel
 
     say = progress or (lambda _msg: None)

@@ -57,8 +57,6 @@ class BlobFileWriter:
 
     def write(self, method: str, data: np.ndarray) -> int:
         """Append one blob; return the offset of its metadata (what the proto records)."""
-        if self._file.closed:
-            raise ValueError(f"{self.path}: the blob file is closed")
         dtype, code = BLOB_TYPES[method]
         if data.dtype != dtype:
             raise TypeError(f"{method} takes {dtype} values, not {data.dtype}")

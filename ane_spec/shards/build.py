@@ -398,7 +398,7 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
         model.check_unchanged()
         heads.append(head)
     shutil.rmtree(_converter_tmp(tmp), ignore_errors=True)
-    weight_memory.trim()
+    weight_memory.trim()   # the head's: nothing after it converts a matrix
 
     say("embeddings and tokenizer")
     embd = model.tensor("token_embd.weight")

@@ -16,9 +16,10 @@ written through a memory map, so a full disk is an OSError here, never a SIGBUS.
 from __future__ import annotations
 
 import errno
-import fcntl
 import mmap
 import os
+
+from ane_spec.model.direct_io import set_direct_io
 
 # Bytes per write: a multiple of every block size O_DIRECT may require (512, 4096).
 STAGE_BYTES = 8 << 20
@@ -94,8 +95,7 @@ class DirectFile:
                     # a filesystem that opens with O_DIRECT but refuses its writes: buffered
                     if not (self.direct and exc.errno == errno.EINVAL):
                         raise
-                    fcntl.fcntl(self._fd, fcntl.F_SETFL,
-                                fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                    set_direct_io(self._fd, False)
                     self.direct = False
         finally:
             view.release()

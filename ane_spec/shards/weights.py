@@ -36,10 +36,10 @@ from typing import Literal
 
 import numpy as np
 
-from ane_spec.shards import weight_memory
 from ane_spec.errors import BuildError, untrusted
 from ane_spec.model.gguf_file import Tensor
-from ane_spec.model.quant import q8_0_quantize, q8_0_blocks
+from ane_spec.model.quant import q8_0_blocks, q8_0_dequantize, q8_0_quantize
+from ane_spec.shards import weight_memory
 
 # Threads that requantize a Q8_0 matrix's row chunks at once: each holds a few chunk-sized
 # float32 temporaries (~16 MB each), and past a few the memory bus, not the cores, bounds them.
@@ -337,10 +337,8 @@ def _requantize_q8_0_rows(t: Tensor, idx: np.ndarray, agreement: "_CosineAccumul
     d32 = d.astype(np.float32)
     require_finite(t.name, d32, int(idx[0]), " (Q8_0 scales)")
     # The chunk's two float32 temporaries come from the build's scratch pool (weight_memory.py:
-    # fresh pages cost a host fault each on the VMs this is built on).
-    original = weight_memory.scratch(qs.shape, np.float32)
-    np.multiply(qs, d32[..., None], out=original)   # exact: 8 x 11 bits < 24
-    original = original.reshape(n, -1)
+    # fresh pages cost a host fault each on the VMs this is built on). Exact: 8 x 11 bits < 24.
+    original = q8_0_dequantize(qs, d32, np.float32, weight_memory.scratch)
     amax = np.maximum(original.max(axis=1), -original.min(axis=1))[:, None]
     with np.errstate(over="ignore"):
         s16 = np.where(amax == 0, 1.0, amax / 127.0).astype(np.float16)
