@@ -33,14 +33,15 @@ from pathlib import Path
 
 from ane_spec.model.synthetic import PRESETS
 
-# Runs the CLI in the child and leaves the child's own peak RSS in the file named by argv[1].
+# Runs the CLI in the child and leaves the child's own peak RSS in the file named by argv[1];
+# the child then ends as the `ane-spec` command does (cli.exit_process).
 _MEASURED_CHILD = """
 import sys
-from ane_spec.cli import main
+from ane_spec.cli import exit_process, main
 from ane_spec.peak_memory import peak_rss_bytes
 rc = main(sys.argv[2:])
 open(sys.argv[1], "w").write(str(peak_rss_bytes()))
-sys.exit(rc)
+exit_process(rc)
 """
 
 

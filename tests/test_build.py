@@ -174,6 +174,45 @@ def test_failure_midway_keeps_the_previous_build(tiny_gguf: Path, tmp_path: Path
     assert not _leftovers(tmp_path)
 
 
+def test_a_failed_build_waits_for_the_package_being_hashed(tiny_gguf: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """Packages are hashed by a helper thread while the next one is made
+    (shards/package_hashing.py). A build that fails meanwhile cancels the hashes not started and
+    waits for the one under way before its folder is removed: no thread reads a folder being
+    deleted, and none outlives the build."""
+    import threading
+    import time
+
+    from ane_spec.shards import package_hashing
+
+    real_ref = package_hashing.file_ref
+    hashed: list[tuple[str, bool]] = []
+
+    def slow_ref(root: Path, path: Path, *, uncached: bool = False):
+        time.sleep(0.5)   # still hashing when the next package fails
+        ref = real_ref(root, path, uncached=uncached)
+        hashed.append((path.name, root.is_dir()))
+        return ref
+
+    real_save = build_module.save_package
+    saves = Counter()
+
+    def failing_save(prog, path, tmp_dir=None):
+        saves["n"] += 1
+        if saves["n"] == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real_save(prog, path, tmp_dir)
+
+    monkeypatch.setattr(package_hashing, "file_ref", slow_ref)
+    monkeypatch.setattr(build_module, "save_package", failing_save)
+    with pytest.raises(BuildError, match="No space left on device"):
+        build(tiny_gguf, tmp_path / "art", BuildRequest(topology="1,1,1", max_seq=S))
+    assert hashed == [("layers_00_01.mlpackage", True)]   # finished inside a folder still there
+    assert not any(t.name.startswith("hash-package") for t in threading.enumerate())
+    assert not _leftovers(tmp_path)
+
+
 def test_a_full_disk_under_the_weight_file_leaves_the_previous_build(
         tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The weight file is written by blob_file.py's writer during the conversion: a write it

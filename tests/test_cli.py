@@ -72,3 +72,36 @@ def test_help_says_what_the_commands_run() -> None:
         assert "plain T=1" not in text and "T=1 greedy" not in text, command
         assert ("plain greedy decoding, one token per pass (padded to T=4 in the fixed decode "
                 "shape, T=1 in the mixed one)") in text, command
+
+
+EXIT_CHECK = """
+import atexit, sys
+from ane_spec.cli import run
+atexit.register(lambda: print("teardown ran", file=sys.stderr, flush=True))
+run()
+"""
+
+
+def test_the_command_skips_the_teardown_only_after_a_finished_build(tmp_path: Path) -> None:
+    """`ane-spec build` ends with os._exit once it has finished (cli.exit_process): its
+    output must still arrive through a pipe, with its status; any other outcome, a failed
+    build included, exits through the interpreter's teardown as before."""
+    import subprocess
+    import sys
+
+    from ane_spec.assets import tiny_code_model
+
+    def command(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", EXIT_CHECK, *args], capture_output=True,
+                              text=True, timeout=600)
+
+    built = command("build", str(tiny_code_model()), "--out", str(tmp_path / "b"))
+    assert built.returncode == 0, built.stderr
+    assert f"-> {tmp_path / 'b' / 'manifest.json'}" in built.stdout   # flushed through a pipe
+    assert "[build] embeddings and tokenizer" in built.stderr
+    assert "teardown ran" not in built.stderr and (tmp_path / "b" / "manifest.json").is_file()
+
+    refused = command("build", str(tiny_code_model()), "--out", str(tmp_path / "b"))  # no --force
+    assert refused.returncode == 2 and "teardown ran" in refused.stderr
+    listed = command("inspect", str(tiny_code_model()))
+    assert listed.returncode == 0 and "teardown ran" in listed.stderr

@@ -201,3 +201,34 @@ def test_hashing_gives_back_the_file_pages_as_it_goes(tmp_path: Path) -> None:
     print(report)
     assert report["table_mb"] > 200
     assert report["rise_mb"] < 110, report
+
+
+def test_content_hashes_identify_the_file_and_each_tensor(tiny_gguf: Path, tmp_path: Path
+                                                          ) -> None:
+    """The file's digest is its sha256 (what `sha256sum` and a publisher state); each tensor's
+    is XXH3-128 of its own bytes (the build's fingerprints), so a change to one tensor moves
+    the file's digest and that tensor's, no other."""
+    import hashlib
+    import shutil
+
+    import xxhash
+
+    whole, per_tensor = open_gguf(tiny_gguf).content_hashes()
+    assert whole == hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
+    model = open_gguf(tiny_gguf)
+    data = tiny_gguf.read_bytes()
+    for name, t in model.tensors.items():
+        assert per_tensor[name] == xxhash.xxh3_128(
+            data[t.file_offset:t.file_offset + t.nbytes]).hexdigest()
+
+    edited = tmp_path / "edited.gguf"
+    shutil.copy(tiny_gguf, edited)
+    t = model.tensors["blk.0.ffn_down.weight"]
+    with open(edited, "r+b") as fh:
+        fh.seek(t.file_offset + 3)   # inside the first block's int8 values
+        byte = fh.read(1)
+        fh.seek(t.file_offset + 3)
+        fh.write(bytes([byte[0] ^ 1]))
+    whole2, per_tensor2 = open_gguf(edited).content_hashes()
+    assert whole2 != whole
+    assert {n for n in per_tensor if per_tensor[n] != per_tensor2[n]} == {t.name}

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 from pydantic import ValidationError
 
@@ -318,17 +319,23 @@ class GGUFModel:
 
     def content_hashes(self, stop: threading.Event | None = None
                        ) -> tuple[str, dict[str, str]]:
-        """sha256 of the whole file and of each tensor's bytes, in one pass over the file.
+        """sha256 of the whole file, and an XXH3-128 digest of each tensor's bytes, in one pass
+        over the file.
 
-        The build records the first and fingerprints each shard with the second, so a re-run
-        rebuilds only what the changed tensors feed. `stop`, once set, ends the pass at its
-        next 64 MB block with HashingStopped (a build hashing beside its conversion ended)."""
+        The build records the first (the file's identity, as `sha256sum` and the model's
+        publisher state it) and fingerprints each shard with the second, so a re-run rebuilds
+        only what the changed tensors feed. The fingerprints only ever meet other builds of
+        this project, in the build's own folder, so they need no second cryptographic pass:
+        sha256 of each tensor was 2.4 s of CPU on a 4.1 GB file (1.7 GB/s here), XXH3 is 0.2 s
+        (25 GB/s), and 128 bits leave no chance collision among a folder's builds. `stop`, once
+        set, ends the pass at its next 64 MB block with HashingStopped (a build hashing beside
+        its conversion ended)."""
         whole = hashlib.sha256()
         per_tensor: dict[str, str] = {}
         pos = 0
         for t in sorted(self.tensors.values(), key=lambda t: t.file_offset):
             whole.update(self.buffer[pos:t.file_offset])
-            h = hashlib.sha256()
+            h = xxhash.xxh3_128()
             step = 1 << 26
             for start in range(t.file_offset, t.file_offset + t.nbytes, step):
                 end = min(start + step, t.file_offset + t.nbytes)

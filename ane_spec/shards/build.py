@@ -36,9 +36,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import numpy as np
 from coremltools.converters.mil.mil import Program, types
@@ -58,6 +60,7 @@ from ane_spec.manifests.schema import (
     MAX_PREFILL_T,
     BuildOptions,
     EmbeddingsEntry,
+    FileRef,
     HeadEntry,
     Manifest,
     QuantStats,
@@ -76,6 +79,7 @@ from ane_spec.shards.embeddings import write_embeddings
 from ane_spec.shards.frozen_heap import freeze_more, frozen_heap
 from ane_spec.shards import scale_aside
 from ane_spec.shards.hash_aside import HashAside
+from ane_spec.shards.package_hashing import PackageHashing, done
 from ane_spec.shards import weight_memory
 from ane_spec.shards.weight_memory import reused_weight_memory
 from ane_spec.shards.kv_traffic import format_bytes, kv_traffic
@@ -277,14 +281,16 @@ def _build_into(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
         if pending.aside and previous is None:
             say(f"hashing {model.path.name} beside the conversion")
             hashing = aside.enter_context(HashAside(model))
+        packages = aside.enter_context(PackageHashing())
         return _build_with(model, request, ranges, head_plan, out, tmp, say, variant, pending,
-                           previous, hashing)
+                           previous, hashing, packages)
 
 
 def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int, int]],
                 head_plan: list[tuple[int, int]], out: Path, tmp: Path, say: Progress,
                 variant: GraphVariant, pending: scale_aside.PendingScale,
-                previous: PreviousBuild | None, hashing: HashAside | None) -> BuildResult:
+                previous: PreviousBuild | None, hashing: HashAside | None,
+                packages: PackageHashing) -> BuildResult:
     result = BuildResult(manifest_path=out / "manifest.json")
     options = _options(request, ranges, model.config)
     hashes: tuple[str, dict[str, str]] | None = None
@@ -338,6 +344,7 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
             say(f"{label}: unchanged, reused")
             result.reused.append(rel)
             residual.inexact_values[rel] = previous.inexact.get(rel, 0)
+            shards.append(done(entry))
         else:
             t0, waited = time.monotonic(), pending.waited
             choices: dict[str, TensorChoice] = {}
@@ -345,20 +352,20 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
             hashed()
             log2 = decided().log2_factor
             fold = FoldCount()
-            entry, functions = _build_shard(model, request, a, b, layers, choices, tmp, rel,
-                                            fingerprint(log2), variant, log2, fold)
+            built = _build_shard(model, request, a, b, layers, choices, tmp, rel,
+                                 fingerprint(log2), variant, log2, fold, packages)
             residual.inexact_values[rel] = fold.inexact
             waiting = pending.waited - waited
             say(f"{label}: built in {time.monotonic() - t0:.1f}s"
                 + (f" ({waiting:.1f}s of it waiting for the calibration)" if waiting >= 0.1
                    else "")
-                + f", {entry.file.bytes / 2**20:,.1f} MiB, functions {functions}, "
-                f"{_format_counts(entry.quant)}, worst weight cosine "
-                f"{entry.quant.worst_cosine:.6f}")
+                + f", {built.bytes / 2**20:,.1f} MiB, functions {built.functions}, "
+                f"{_format_counts(built.quant)}, worst weight cosine "
+                f"{built.quant.worst_cosine:.6f}")
             result.built.append(rel)
+            shards.append(built.entry)
         model.check_unchanged()
         pending.relay()
-        shards.append(entry)
 
     weight_memory.trim()   # the layers' buffers: the head's chunks are larger
     residual = decided()  # a build of reused shards only (or of none) has not asked yet
@@ -386,17 +393,19 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
         if head is not None:
             say(f"{label}: unchanged, reused")
             result.reused.append(rel)
+            heads.append(done(head))
         else:
             t0 = time.monotonic()
-            head = _build_head(model, request, tmp, rel, fp, chunks, first, last,
-                               None if request.force_ane_limits else request.max_head_mb, log2)
-            count = len(head.chunks)
+            built = _build_head(model, request, tmp, rel, fp, chunks, first, last,
+                                None if request.force_ane_limits else request.max_head_mb, log2,
+                                packages)
+            count = last - first
             say(f"{label}: {count} chunk{'s' if count > 1 else ''} built in "
                 f"{time.monotonic() - t0:.1f}s, "
-                f"{head.file.bytes / 2**20:,.1f} MiB, {_format_counts(head.quant)}")
+                f"{built.bytes / 2**20:,.1f} MiB, {_format_counts(built.quant)}")
             result.built.append(rel)
+            heads.append(built.entry)
         model.check_unchanged()
-        heads.append(head)
     shutil.rmtree(_converter_tmp(tmp), ignore_errors=True)
     weight_memory.trim()   # the head's: nothing after it converts a matrix
 
@@ -422,10 +431,11 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
                           sha256=source_sha, file_type=model.file_type_name,
                           parameters=model.parameter_count),
         model=model.config, tokenizer=file_ref(tmp, tok_path), build=options,
-        rope=model.rope_spec(request.max_seq), shards=shards, heads=heads,
+        rope=model.rope_spec(request.max_seq),
         rope_local=(model.rope_spec(request.max_seq, local=True)
                     if model.config.has_local_layers else None),
-        embeddings=embeddings, residual_scale=residual)
+        embeddings=embeddings, residual_scale=residual,
+        shards=[s.result() for s in shards], heads=[h.result() for h in heads])
     write_manifest(manifest, tmp)
     result.summary = (quant_summary(manifest) + ring_summary(manifest)
                       + kv_write_summary(manifest) + describe_residual_scale(residual))
@@ -713,9 +723,10 @@ def _convert_layers(model: GGUFModel, r: BuildRequest, a: int, b: int,
 def _build_shard(model: GGUFModel, r: BuildRequest, a: int, b: int, layers: list[LayerWeights],
                  choices: dict[str, TensorChoice], tmp: Path, rel: str, fp: str,
                  variant: GraphVariant, residual_log2: int = 0,
-                 fold: FoldCount | None = None) -> tuple[ShardEntry, str]:
+                 fold: FoldCount | None = None, packages: PackageHashing | None = None
+                 ) -> BuiltPackage[ShardEntry]:
     """The shard package of `layers` (converted, unscaled; this list is emptied), folded by
-    2^residual_log2. Returns its entry and the functions it holds, in words."""
+    2^residual_log2. Its entry is complete once `packages` has hashed it (at once without)."""
     c = model.config
     for j in range(len(layers)):   # in place: an fp16 tensor's unscaled copy is freed at once
         layers[j], n = fold_into_layer(layers[j], c.arch, c.rms_eps, residual_log2, a + j)
@@ -742,10 +753,11 @@ def _build_shard(model: GGUFModel, r: BuildRequest, a: int, b: int, layers: list
     layers.clear()
     del program
     functions = describe_functions(holder[0])
-    ref, (inputs, outputs, states) = _save_checked(holder, tmp, rel, "layers", r.weights,
-                                                   prefill_t=r.prefill_t or 0)
-    return ShardEntry(layers=(a, b), file=ref, inputs=inputs, outputs=outputs, states=states,
-                      quant=quant, fingerprint=fp), functions
+    path, (inputs, outputs, states) = _save_checked(holder, tmp, rel, "layers", r.weights,
+                                                    prefill_t=r.prefill_t or 0)
+    return _hashed(tmp, path, packages, quant, functions, lambda ref: ShardEntry(
+        layers=(a, b), file=ref, inputs=inputs, outputs=outputs, states=states, quant=quant,
+        fingerprint=fp))
 
 
 def describe_functions(prog: Program) -> str:
@@ -764,10 +776,12 @@ def describe_functions(prog: Program) -> str:
 
 def _build_head(model: GGUFModel, r: BuildRequest, tmp: Path, rel: str, fp: str,
                 all_chunks: list[tuple[int, int]], first: int, last: int,
-                max_mb: float | None, residual_log2: int = 0) -> HeadEntry:
+                max_mb: float | None, residual_log2: int = 0,
+                packages: PackageHashing | None = None) -> BuiltPackage[HeadEntry]:
     """The head package computing chunks first..last-1 of `all_chunks` (all of them, or one
     contiguous run of a head split over --max-head-mb); refused if its converted weights are
-    over `max_mb` (None: no budget). `residual_log2`: the stream's scale (residual_scale.py)."""
+    over `max_mb` (None: no budget). `residual_log2`: the stream's scale (residual_scale.py).
+    Its entry is complete once `packages` has hashed it (at once without)."""
     c = model.config
     t = model.lm_head
     chunks = all_chunks[first:last]
@@ -797,9 +811,10 @@ def _build_head(model: GGUFModel, r: BuildRequest, tmp: Path, rel: str, fp: str,
                            head_layout=r.head_layout,
                            eps=stream_eps(c.rms_eps, residual_log2) if residual_log2 else None)]
     del weights
-    ref, (inputs, outputs, _) = _save_checked(holder, tmp, rel, "head", r.weights)
-    return HeadEntry(chunks=chunks, argmax=r.head_argmax, file=ref, inputs=inputs,
-                     outputs=outputs, quant=quant, fingerprint=fp)
+    path, (inputs, outputs, _) = _save_checked(holder, tmp, rel, "head", r.weights)
+    return _hashed(tmp, path, packages, quant, "", lambda ref: HeadEntry(
+        chunks=chunks, argmax=r.head_argmax, file=ref, inputs=inputs, outputs=outputs,
+        quant=quant, fingerprint=fp))
 
 
 def build_logits_head(gguf_path: str | os.PathLike[str], manifest: Manifest,
@@ -824,7 +839,7 @@ def build_logits_head(gguf_path: str | os.PathLike[str], manifest: Manifest,
     chunks = head_chunk_bounds(model.config.vocab_size, len(manifest.head_chunks), False)
     log2 = manifest.residual_scale.log2_factor if manifest.residual_scale is not None else 0
     head = _build_head(model, request, folder, "logits-head.mlpackage", "0" * 64, chunks, 0,
-                       len(chunks), None, log2)
+                       len(chunks), None, log2).entry.result()
     if head.chunks != manifest.head_chunks:
         raise BuildError("the logits head's chunks differ from the build's")
     shutil.rmtree(_converter_tmp(folder), ignore_errors=True)
@@ -844,8 +859,8 @@ def head_chunk_bounds(vocab_size: int, head_chunks: int, argmax: bool) -> list[t
 
 def _save_checked(holder: list[Program], tmp: Path, rel: str, kind: str, weights: WeightFormat,
                   prefill_t: int = 0):
-    """Record the interface, write the package, free the program's weights before the static
-    checks read the package back, and hash it for the manifest.
+    """Record the interface, write the package and free the program's weights before the
+    static checks read the package back. Returns the package's path and interface.
 
     The program comes in a one-item list that this function empties: a MIL program is a web of
     reference cycles (ops, vars, blocks), so only gc.collect() frees it, and only once no caller
@@ -866,7 +881,28 @@ def _save_checked(holder: list[Program], tmp: Path, rel: str, kind: str, weights
     del prog
     gc.collect()
     check_package(path, kind=kind, weights=weights, prefill_t=prefill_t)
-    return file_ref(tmp, path, uncached=True), interface
+    return path, interface
+
+
+Entry = TypeVar("Entry", ShardEntry, HeadEntry)
+
+
+@dataclass
+class BuiltPackage(Generic[Entry]):
+    """A package just written: its manifest entry (once hashed), size, weights and functions."""
+
+    entry: Future[Entry]
+    bytes: int
+    quant: QuantStats
+    functions: str
+
+
+def _hashed(tmp: Path, path: Path, packages: PackageHashing | None, quant: QuantStats,
+            functions: str, entry: Callable[[FileRef], Entry]) -> BuiltPackage[Entry]:
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    made = (packages.submit(tmp, path, entry) if packages is not None
+            else done(entry(file_ref(tmp, path, uncached=True))))
+    return BuiltPackage(made, size, quant, functions)
 
 
 def _converter_tmp(tmp: Path) -> Path:
