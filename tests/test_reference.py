@@ -152,3 +152,33 @@ def test_a_forked_child_runs_the_reference_after_its_parent_did() -> None:
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     pytest.fail("the forked child hung in torch (libgomp after fork)")
+
+
+@pytest.mark.parametrize("weight_type", ["q8_0", "f16"])
+def test_streamed_projections_equal_whole_matrix_ones(tmp_path: Path, weight_type: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Activation calibration multiplies each matrix a row block at a time as it dequantizes it
+    (Weights.project, stream_weights): the product must be the whole-matrix one, bit for bit,
+    in blocks that do not divide the rows, from Q8_0 blocks and from other types alike. (Blocks
+    of 7 rows, not a multiple of STREAM_ROW_MULTIPLE, fail this on MKL.)"""
+    from ane_spec.model import reference
+    from ane_spec.model.synthetic import preset, write_synthetic_gguf
+    from ane_spec.shards.layer_weights import layer_tensor_names
+
+    path = write_synthetic_gguf(tmp_path / f"{weight_type}.gguf",
+                                preset("tiny", num_layers=2, weight_type=weight_type))
+    model = open_gguf(path)
+    monkeypatch.setattr(reference, "STREAM_BLOCK_ELEMENTS", 64 * model.config.ffn_size)
+    streamed = ReferenceModel(model, materialize=False, stream_weights=True).w
+    whole = ReferenceModel(model, materialize=False).w
+    assert streamed.stream and not whole.stream
+    rng = torch.Generator().manual_seed(0)
+    names = [n for i in range(2) for n in layer_tensor_names(model.config, i)
+             if len(model.tensor(n).shape) == 2]
+    assert len(names) == 8
+    for name in names:
+        rows, width = model.tensor(name).shape
+        x = torch.randn(40, width, generator=rng)
+        expected = x @ whole(name).T
+        got = streamed.project(x, name)
+        assert got.shape == (40, rows) and torch.equal(got, expected), name
