@@ -178,15 +178,15 @@ def test_a_failed_build_waits_for_the_package_being_hashed(tiny_gguf: Path, tmp_
                                                            monkeypatch: pytest.MonkeyPatch
                                                            ) -> None:
     """Packages are hashed by a helper thread while the next one is made
-    (shards/package_hashing.py). A build that fails meanwhile cancels the hashes not started and
+    (shards/finish_aside.py). A build that fails meanwhile cancels the hashes not started and
     waits for the one under way before its folder is removed: no thread reads a folder being
     deleted, and none outlives the build."""
     import threading
     import time
 
-    from ane_spec.shards import package_hashing
+    from ane_spec.shards import finish_aside
 
-    real_ref = package_hashing.file_ref
+    real_ref = finish_aside.file_ref
     hashed: list[tuple[str, bool]] = []
 
     def slow_ref(root: Path, path: Path, *, uncached: bool = False):
@@ -204,13 +204,47 @@ def test_a_failed_build_waits_for_the_package_being_hashed(tiny_gguf: Path, tmp_
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         real_save(prog, path, tmp_dir)
 
-    monkeypatch.setattr(package_hashing, "file_ref", slow_ref)
+    monkeypatch.setattr(finish_aside, "file_ref", slow_ref)
     monkeypatch.setattr(build_module, "save_package", failing_save)
     with pytest.raises(BuildError, match="No space left on device"):
         build(tiny_gguf, tmp_path / "art", BuildRequest(topology="1,1,1", max_seq=S))
     assert hashed == [("layers_00_01.mlpackage", True)]   # finished inside a folder still there
-    assert not any(t.name.startswith("hash-package") for t in threading.enumerate())
+    assert not any(t.name.startswith("finish-aside") for t in threading.enumerate())
     assert not _leftovers(tmp_path)
+
+
+def test_a_failed_embeddings_job_ends_the_build_before_the_head(
+        tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The embeddings are written by the helper once the residual scale is known (after the
+    first shard): what that job raises ends the build at the next package, not after the LM
+    head, and leaves nothing."""
+    import threading
+
+    failed = threading.Event()
+
+    def corrupt_table(*args, **kwargs):
+        failed.set()
+        raise BuildError("tensor 'token_embd.weight' holds NaN at row 7")
+
+    real_shard = build_module._build_shard
+    shards: list[int] = []
+
+    def shard_after_the_failure(*args, **kwargs):
+        shards.append(1)
+        if len(shards) == 2:
+            assert failed.wait(30)   # the job ran, and failed, while shard 1 was finished
+        return real_shard(*args, **kwargs)
+
+    heads: list[int] = []
+    real_head = build_module._build_head
+    monkeypatch.setattr(build_module, "write_embeddings", corrupt_table)
+    monkeypatch.setattr(build_module, "_build_shard", shard_after_the_failure)
+    monkeypatch.setattr(build_module, "_build_head",
+                        lambda *a, **k: heads.append(1) or real_head(*a, **k))
+    with pytest.raises(BuildError, match="token_embd.weight' holds NaN at row 7"):
+        build(tiny_gguf, tmp_path / "art", BuildRequest(topology="1,1,1", max_seq=S))
+    assert len(shards) == 2 and heads == []
+    assert not _leftovers(tmp_path) and not (tmp_path / "art").exists()
 
 
 def test_a_full_disk_under_the_weight_file_leaves_the_previous_build(
@@ -226,6 +260,8 @@ def test_a_full_disk_under_the_weight_file_leaves_the_previous_build(
     files: list[str] = []
 
     def full(self, length: int) -> None:
+        if not str(self.path).endswith("weight.bin"):   # the embeddings, written beside them
+            return real_write(self, length)
         files.extend([self.path] if self.path not in files else [])
         if len(files) > 1:   # the first package's weights are written, the second's are not
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)

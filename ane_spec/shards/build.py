@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import gc
 import hashlib
 import json
@@ -79,7 +80,7 @@ from ane_spec.shards.embeddings import write_embeddings
 from ane_spec.shards.frozen_heap import freeze_more, frozen_heap
 from ane_spec.shards import scale_aside
 from ane_spec.shards.hash_aside import HashAside
-from ane_spec.shards.package_hashing import PackageHashing, done
+from ane_spec.shards.finish_aside import FinishAside, done
 from ane_spec.shards import weight_memory
 from ane_spec.shards.weight_memory import reused_weight_memory
 from ane_spec.shards.kv_traffic import format_bytes, kv_traffic
@@ -281,16 +282,16 @@ def _build_into(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
         if pending.aside and previous is None:
             say(f"hashing {model.path.name} beside the conversion")
             hashing = aside.enter_context(HashAside(model))
-        packages = aside.enter_context(PackageHashing())
+        finishing = aside.enter_context(FinishAside())
         return _build_with(model, request, ranges, head_plan, out, tmp, say, variant, pending,
-                           previous, hashing, packages)
+                           previous, hashing, finishing)
 
 
 def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int, int]],
                 head_plan: list[tuple[int, int]], out: Path, tmp: Path, say: Progress,
                 variant: GraphVariant, pending: scale_aside.PendingScale,
                 previous: PreviousBuild | None, hashing: HashAside | None,
-                packages: PackageHashing) -> BuildResult:
+                finishing: FinishAside) -> BuildResult:
     result = BuildResult(manifest_path=out / "manifest.json")
     options = _options(request, ranges, model.config)
     hashes: tuple[str, dict[str, str]] | None = None
@@ -324,6 +325,8 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
     if not pending.aside:
         decided()
     shards = []
+    # Written by the helper once the residual scale is known, while the next packages are made.
+    embeddings: Future[tuple[EmbeddingsEntry, int]] | None = None
     for n, (a, b) in enumerate(ranges):
         label = f"shard {n + 1}/{len(ranges)} layers [{a},{b})"
         names = [t for i in range(a, b) for t in layer_tensor_names(model.config, i)]
@@ -353,7 +356,7 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
             log2 = decided().log2_factor
             fold = FoldCount()
             built = _build_shard(model, request, a, b, layers, choices, tmp, rel,
-                                 fingerprint(log2), variant, log2, fold, packages)
+                                 fingerprint(log2), variant, log2, fold, finishing)
             residual.inexact_values[rel] = fold.inexact
             waiting = pending.waited - waited
             say(f"{label}: built in {time.monotonic() - t0:.1f}s"
@@ -366,10 +369,16 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
             shards.append(built.entry)
         model.check_unchanged()
         pending.relay()
+        _raise_if_failed(embeddings)
+        if embeddings is None and residual is not None:
+            embeddings = finishing.run(functools.partial(_write_embeddings, model, tmp,
+                                                         residual.log2_factor))
 
     weight_memory.trim()   # the layers' buffers: the head's chunks are larger
     residual = decided()  # a build of reused shards only (or of none) has not asked yet
     log2 = residual.log2_factor
+    if embeddings is None:
+        embeddings = finishing.run(functools.partial(_write_embeddings, model, tmp, log2))
     source_sha, tensor_sha = hashed()
     chunks = head_chunk_bounds(model.config.vocab_size, request.head_chunks, request.head_argmax)
     if len(head_plan) > 1:
@@ -398,7 +407,7 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
             t0 = time.monotonic()
             built = _build_head(model, request, tmp, rel, fp, chunks, first, last,
                                 None if request.force_ane_limits else request.max_head_mb, log2,
-                                packages)
+                                finishing)
             count = last - first
             say(f"{label}: {count} chunk{'s' if count > 1 else ''} built in "
                 f"{time.monotonic() - t0:.1f}s, "
@@ -406,19 +415,12 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
             result.built.append(rel)
             heads.append(built.entry)
         model.check_unchanged()
+        _raise_if_failed(embeddings)
     shutil.rmtree(_converter_tmp(tmp), ignore_errors=True)
     weight_memory.trim()   # the head's: nothing after it converts a matrix
 
     say("embeddings and tokenizer")
-    embd = model.tensor("token_embd.weight")
-    check_tensor_finite(embd)
-    fold = FoldCount()
-    fmt, files = write_embeddings(embd, tmp / "embeddings", log2, fold)
-    residual.inexact_values["embeddings"] = fold.inexact
-    embeddings = EmbeddingsEntry(format=fmt, vocab_size=model.config.vocab_size,
-                                 dim=model.config.hidden_size,
-                                 files={k: file_ref(tmp, p, uncached=True)
-                                        for k, p in files.items()})
+    embeddings_entry, residual.inexact_values["embeddings"] = embeddings.result()
     tok_path = tmp / "tokenizer.json"
     tok_path.write_text(model.tokenizer_data.model_dump_json())
     model.check_unchanged()
@@ -434,12 +436,32 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
         rope=model.rope_spec(request.max_seq),
         rope_local=(model.rope_spec(request.max_seq, local=True)
                     if model.config.has_local_layers else None),
-        embeddings=embeddings, residual_scale=residual,
+        embeddings=embeddings_entry, residual_scale=residual,
         shards=[s.result() for s in shards], heads=[h.result() for h in heads])
     write_manifest(manifest, tmp)
     result.summary = (quant_summary(manifest) + ring_summary(manifest)
                       + kv_write_summary(manifest) + describe_residual_scale(residual))
     return result
+
+
+def _raise_if_failed(job: Future | None) -> None:
+    """Raise what a finished job beside the build raised (a corrupt embedding table, a full
+    disk) now, not after the packages still to come."""
+    if job is not None and job.done():
+        job.result()
+
+
+def _write_embeddings(model: GGUFModel, tmp: Path, log2: int) -> tuple[EmbeddingsEntry, int]:
+    """The embedding table's files, times 2^log2, and their entry; with the count of values
+    the fold could not scale exactly."""
+    embd = model.tensor("token_embd.weight")
+    check_tensor_finite(embd)
+    fold = FoldCount()
+    fmt, files = write_embeddings(embd, tmp / "embeddings", log2, fold)
+    entry = EmbeddingsEntry(format=fmt, vocab_size=model.config.vocab_size,
+                            dim=model.config.hidden_size,
+                            files={k: file_ref(tmp, p, uncached=True) for k, p in files.items()})
+    return entry, fold.inexact
 
 
 def _is_complete(folder: Path) -> bool:
@@ -723,10 +745,10 @@ def _convert_layers(model: GGUFModel, r: BuildRequest, a: int, b: int,
 def _build_shard(model: GGUFModel, r: BuildRequest, a: int, b: int, layers: list[LayerWeights],
                  choices: dict[str, TensorChoice], tmp: Path, rel: str, fp: str,
                  variant: GraphVariant, residual_log2: int = 0,
-                 fold: FoldCount | None = None, packages: PackageHashing | None = None
+                 fold: FoldCount | None = None, finishing: FinishAside | None = None
                  ) -> BuiltPackage[ShardEntry]:
     """The shard package of `layers` (converted, unscaled; this list is emptied), folded by
-    2^residual_log2. Its entry is complete once `packages` has hashed it (at once without)."""
+    2^residual_log2. Its entry is complete once `finishing` has hashed it (at once without)."""
     c = model.config
     for j in range(len(layers)):   # in place: an fp16 tensor's unscaled copy is freed at once
         layers[j], n = fold_into_layer(layers[j], c.arch, c.rms_eps, residual_log2, a + j)
@@ -755,7 +777,7 @@ def _build_shard(model: GGUFModel, r: BuildRequest, a: int, b: int, layers: list
     functions = describe_functions(holder[0])
     path, (inputs, outputs, states) = _save_checked(holder, tmp, rel, "layers", r.weights,
                                                     prefill_t=r.prefill_t or 0)
-    return _hashed(tmp, path, packages, quant, functions, lambda ref: ShardEntry(
+    return _hashed(tmp, path, finishing, quant, functions, lambda ref: ShardEntry(
         layers=(a, b), file=ref, inputs=inputs, outputs=outputs, states=states, quant=quant,
         fingerprint=fp))
 
@@ -777,11 +799,11 @@ def describe_functions(prog: Program) -> str:
 def _build_head(model: GGUFModel, r: BuildRequest, tmp: Path, rel: str, fp: str,
                 all_chunks: list[tuple[int, int]], first: int, last: int,
                 max_mb: float | None, residual_log2: int = 0,
-                packages: PackageHashing | None = None) -> BuiltPackage[HeadEntry]:
+                finishing: FinishAside | None = None) -> BuiltPackage[HeadEntry]:
     """The head package computing chunks first..last-1 of `all_chunks` (all of them, or one
     contiguous run of a head split over --max-head-mb); refused if its converted weights are
     over `max_mb` (None: no budget). `residual_log2`: the stream's scale (residual_scale.py).
-    Its entry is complete once `packages` has hashed it (at once without)."""
+    Its entry is complete once `finishing` has hashed it (at once without)."""
     c = model.config
     t = model.lm_head
     chunks = all_chunks[first:last]
@@ -812,7 +834,7 @@ def _build_head(model: GGUFModel, r: BuildRequest, tmp: Path, rel: str, fp: str,
                            eps=stream_eps(c.rms_eps, residual_log2) if residual_log2 else None)]
     del weights
     path, (inputs, outputs, _) = _save_checked(holder, tmp, rel, "head", r.weights)
-    return _hashed(tmp, path, packages, quant, "", lambda ref: HeadEntry(
+    return _hashed(tmp, path, finishing, quant, "", lambda ref: HeadEntry(
         chunks=chunks, argmax=r.head_argmax, file=ref, inputs=inputs, outputs=outputs,
         quant=quant, fingerprint=fp))
 
@@ -897,10 +919,10 @@ class BuiltPackage(Generic[Entry]):
     functions: str
 
 
-def _hashed(tmp: Path, path: Path, packages: PackageHashing | None, quant: QuantStats,
+def _hashed(tmp: Path, path: Path, finishing: FinishAside | None, quant: QuantStats,
             functions: str, entry: Callable[[FileRef], Entry]) -> BuiltPackage[Entry]:
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    made = (packages.submit(tmp, path, entry) if packages is not None
+    made = (finishing.hash_package(tmp, path, entry) if finishing is not None
             else done(entry(file_ref(tmp, path, uncached=True))))
     return BuiltPackage(made, size, quant, functions)
 
