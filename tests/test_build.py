@@ -152,11 +152,8 @@ def test_existing_output_needs_force(tiny_gguf: Path, tmp_path: Path) -> None:
     assert (out / "keep.txt").read_text() == "mine"
 
 
-def test_failure_midway_keeps_the_previous_build(tiny_gguf: Path, tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    out = tmp_path / "art"
-    build(tiny_gguf, out, BuildRequest(topology="2,1", max_seq=S))
-    before = (out / "manifest.json").read_text()
+def _second_save_finds_the_disk_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build's second package write fails as a full disk would (ENOSPC)."""
     real_save = build_module.save_package
     calls = Counter()
 
@@ -167,6 +164,14 @@ def test_failure_midway_keeps_the_previous_build(tiny_gguf: Path, tmp_path: Path
         real_save(prog, path, tmp_dir)
 
     monkeypatch.setattr(build_module, "save_package", flaky_save)
+
+
+def test_failure_midway_keeps_the_previous_build(tiny_gguf: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "art"
+    build(tiny_gguf, out, BuildRequest(topology="2,1", max_seq=S))
+    before = (out / "manifest.json").read_text()
+    _second_save_finds_the_disk_full(monkeypatch)
     with pytest.raises(BuildError, match="No space left on device.*layers_01_02.mlpackage"):
         build(tiny_gguf, out, BuildRequest(topology="1,1,1", max_seq=S), force=True)
     assert (out / "manifest.json").read_text() == before
@@ -195,17 +200,8 @@ def test_a_failed_build_waits_for_the_package_being_hashed(tiny_gguf: Path, tmp_
         hashed.append((path.name, root.is_dir()))
         return ref
 
-    real_save = build_module.save_package
-    saves = Counter()
-
-    def failing_save(prog, path, tmp_dir=None):
-        saves["n"] += 1
-        if saves["n"] == 2:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        real_save(prog, path, tmp_dir)
-
     monkeypatch.setattr(finish_aside, "file_ref", slow_ref)
-    monkeypatch.setattr(build_module, "save_package", failing_save)
+    _second_save_finds_the_disk_full(monkeypatch)
     with pytest.raises(BuildError, match="No space left on device"):
         build(tiny_gguf, tmp_path / "art", BuildRequest(topology="1,1,1", max_seq=S))
     assert hashed == [("layers_00_01.mlpackage", True)]   # finished inside a folder still there
