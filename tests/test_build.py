@@ -211,9 +211,9 @@ def test_a_failed_build_waits_for_the_package_being_hashed(tiny_gguf: Path, tmp_
 
 def test_a_failed_embeddings_job_ends_the_build_before_the_head(
         tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The embeddings are written by the helper once the residual scale is known (after the
-    first shard): what that job raises ends the build at the next package, not after the LM
-    head, and leaves nothing."""
+    """The embeddings are written by the helper once the residual scale is known (before the
+    first shard's program): what that job raises ends the build at the next package, not after
+    the LM head, and leaves nothing."""
     import threading
 
     failed = threading.Event()
@@ -228,7 +228,7 @@ def test_a_failed_embeddings_job_ends_the_build_before_the_head(
     def shard_after_the_failure(*args, **kwargs):
         shards.append(1)
         if len(shards) == 2:
-            assert failed.wait(30)   # the job ran, and failed, while shard 1 was finished
+            assert failed.wait(30)   # the job ran, and failed, while shard 1 was made
         return real_shard(*args, **kwargs)
 
     heads: list[int] = []
@@ -239,7 +239,7 @@ def test_a_failed_embeddings_job_ends_the_build_before_the_head(
                         lambda *a, **k: heads.append(1) or real_head(*a, **k))
     with pytest.raises(BuildError, match="token_embd.weight' holds NaN at row 7"):
         build(tiny_gguf, tmp_path / "art", BuildRequest(topology="1,1,1", max_seq=S))
-    assert len(shards) == 2 and heads == []
+    assert len(shards) in (1, 2) and heads == []   # ended after shard 1 or, at the latest, 2
     assert not _leftovers(tmp_path) and not (tmp_path / "art").exists()
 
 

@@ -268,3 +268,32 @@ def test_lut8_build_runs_through_the_core_ml_standin(coreml_standin, builds: dic
     _, coreml = open_pipeline(builds["auto"] / "manifest.json", "coreml", "fp16")
     np.testing.assert_allclose(prefill_logits(coreml, tokens), prefill_logits(mil, tokens),
                                rtol=0, atol=1e-2)
+
+
+@pytest.mark.parametrize("weight_type", ["q8_0", "f16"])
+def test_a_non_finite_embedding_row_is_refused_as_it_is_written(tmp_path: Path,
+                                                                weight_type: str) -> None:
+    """write_embeddings checks each chunk as it reads it (the table is read once): a NaN names
+    the tensor and its row before that chunk is written (what was written stays in the build's
+    temporary folder, which the failed build removes)."""
+    import struct
+
+    from ane_spec.errors import BuildError
+    from ane_spec.model.synthetic import preset, write_synthetic_gguf
+    from ane_spec.shards.embeddings import write_embeddings
+
+    path = write_synthetic_gguf(tmp_path / "m.gguf",
+                                preset("tiny", num_layers=1, weight_type=weight_type))
+    t = open_gguf(path).tensor("token_embd.weight")
+    row = 700
+    row_bytes = t.nbytes // t.shape[0]
+    data = bytearray(path.read_bytes())
+    at = t.file_offset + row * row_bytes + (0 if weight_type == "q8_0" else 6)  # a d / a value
+    data[at:at + 2] = struct.pack("<H", 0x7E00)   # fp16 NaN
+    path.write_bytes(bytes(data))
+    folder = tmp_path / "embd"
+    with pytest.raises(BuildError, match=rf"token_embd.weight'.* holds NaN or infinite values "
+                                         rf"\(first at row {row}\)"):
+        write_embeddings(open_gguf(path).tensor("token_embd.weight"), folder)
+    written = sum(f.stat().st_size for f in folder.iterdir())
+    assert written < t.shape[0] * t.shape[1]   # headers only: the bad chunk was not written

@@ -129,7 +129,6 @@ from ane_spec.shards.weights import (
     Part,
     TensorChoice,
     WeightFormat,
-    check_tensor_finite,
     convert_parts,
     require_finite,
 )
@@ -309,12 +308,18 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
             pending.relay()
         return hashes
 
+    # Written by the helper as soon as the residual scale is known, while the building thread
+    # makes the packages: beside the first shard's MIL program, which leaves a core idle.
+    embeddings: Future[tuple[EmbeddingsEntry, int]] | None = None
+
     def decided() -> ResidualScale:
-        nonlocal residual
+        nonlocal residual, embeddings
         if residual is None:
             residual = pending.result()
             freeze_more()   # torch's modules, imported by the calibration, are long-lived too
             say(describe_residual_scale(residual)[0])
+            embeddings = finishing.run(functools.partial(_write_embeddings, model, tmp,
+                                                         residual.log2_factor))
         return residual
 
     # Reuse needs the fingerprints (tensor hashes) first; a build with nothing to reuse and a
@@ -325,8 +330,6 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
     if not pending.aside:
         decided()
     shards = []
-    # Written by the helper once the residual scale is known, while the next packages are made.
-    embeddings: Future[tuple[EmbeddingsEntry, int]] | None = None
     for n, (a, b) in enumerate(ranges):
         label = f"shard {n + 1}/{len(ranges)} layers [{a},{b})"
         names = [t for i in range(a, b) for t in layer_tensor_names(model.config, i)]
@@ -370,15 +373,10 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
         model.check_unchanged()
         pending.relay()
         _raise_if_failed(embeddings)
-        if embeddings is None and residual is not None:
-            embeddings = finishing.run(functools.partial(_write_embeddings, model, tmp,
-                                                         residual.log2_factor))
 
     weight_memory.trim()   # the layers' buffers: the head's chunks are larger
     residual = decided()  # a build of reused shards only (or of none) has not asked yet
     log2 = residual.log2_factor
-    if embeddings is None:
-        embeddings = finishing.run(functools.partial(_write_embeddings, model, tmp, log2))
     source_sha, tensor_sha = hashed()
     chunks = head_chunk_bounds(model.config.vocab_size, request.head_chunks, request.head_argmax)
     if len(head_plan) > 1:
@@ -454,10 +452,9 @@ def _raise_if_failed(job: Future | None) -> None:
 def _write_embeddings(model: GGUFModel, tmp: Path, log2: int) -> tuple[EmbeddingsEntry, int]:
     """The embedding table's files, times 2^log2, and their entry; with the count of values
     the fold could not scale exactly."""
-    embd = model.tensor("token_embd.weight")
-    check_tensor_finite(embd)
     fold = FoldCount()
-    fmt, files = write_embeddings(embd, tmp / "embeddings", log2, fold)
+    fmt, files = write_embeddings(model.tensor("token_embd.weight"), tmp / "embeddings", log2,
+                                  fold)
     entry = EmbeddingsEntry(format=fmt, vocab_size=model.config.vocab_size,
                             dim=model.config.hidden_size,
                             files={k: file_ref(tmp, p, uncached=True) for k, p in files.items()})
