@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from ane_spec.errors import AneSpecError
 from ane_spec.model.gguf_file import GGUFModel, Tensor
+from ane_spec.model.quant import q8_0_dequantize
 from ane_spec.model.rope import RopeSpec
 
 
@@ -135,17 +136,16 @@ class Weights:
         out_rows, width = t.shape
         out = torch.empty((x.shape[0], out_rows), dtype=x.dtype)
         step = max(1, STREAM_BLOCK_ELEMENTS // width // STREAM_ROW_MULTIPLE) * STREAM_ROW_MULTIPLE
-        block = self.empty((min(step, out_rows), width), np.float32)
         if t.is_q8_0:
             qs, d = t.q8_0()
+            block = self.empty((min(step, out_rows) * width,), np.float32)
+
+            def into_block(shape: tuple[int, ...], _dtype: np.dtype) -> np.ndarray:
+                return block[:math.prod(shape)].reshape(shape)
         for r0 in range(0, out_rows, step):
             r1 = min(out_rows, r0 + step)
-            if t.is_q8_0:
-                values = block[:r1 - r0]
-                np.multiply(qs[r0:r1], d[r0:r1, :, None].astype(np.float32),
-                            out=values.reshape(r1 - r0, -1, qs.shape[-1]))
-            else:
-                values = t.rows(np.arange(r0, r1), np.float32)
+            values = (q8_0_dequantize(qs[r0:r1], d[r0:r1], np.float32, into_block) if t.is_q8_0
+                      else t.rows(np.arange(r0, r1), np.float32))
             torch.mm(x, torch.from_numpy(values).T, out=out[:, r0:r1])
         t.release()
         return out

@@ -774,7 +774,7 @@ def _build_shard(model: GGUFModel, r: BuildRequest, a: int, b: int, layers: list
     functions = describe_functions(holder[0])
     path, (inputs, outputs, states) = _save_checked(holder, tmp, rel, "layers", r.weights,
                                                     prefill_t=r.prefill_t or 0)
-    return _hashed(tmp, path, finishing, quant, functions, lambda ref: ShardEntry(
+    return _built_package(tmp, path, finishing, quant, functions, lambda ref: ShardEntry(
         layers=(a, b), file=ref, inputs=inputs, outputs=outputs, states=states, quant=quant,
         fingerprint=fp))
 
@@ -831,7 +831,7 @@ def _build_head(model: GGUFModel, r: BuildRequest, tmp: Path, rel: str, fp: str,
                            eps=stream_eps(c.rms_eps, residual_log2) if residual_log2 else None)]
     del weights
     path, (inputs, outputs, _) = _save_checked(holder, tmp, rel, "head", r.weights)
-    return _hashed(tmp, path, finishing, quant, "", lambda ref: HeadEntry(
+    return _built_package(tmp, path, finishing, quant, "", lambda ref: HeadEntry(
         chunks=chunks, argmax=r.head_argmax, file=ref, inputs=inputs, outputs=outputs,
         quant=quant, fingerprint=fp))
 
@@ -916,8 +916,9 @@ class BuiltPackage(Generic[Entry]):
     functions: str
 
 
-def _hashed(tmp: Path, path: Path, finishing: FinishAside | None, quant: QuantStats,
-            functions: str, entry: Callable[[FileRef], Entry]) -> BuiltPackage[Entry]:
+def _built_package(tmp: Path, path: Path, finishing: FinishAside | None, quant: QuantStats,
+                   functions: str, entry: Callable[[FileRef], Entry]) -> BuiltPackage[Entry]:
+    """The package at `path`, its entry made from its hash by `finishing` (here without)."""
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     made = (finishing.hash_package(tmp, path, entry) if finishing is not None
             else done(entry(file_ref(tmp, path, uncached=True))))
