@@ -33,6 +33,7 @@ from ane_spec.shards.conversion_passes import (
     weights_written_once,
 )
 from ane_spec.shards.frozen_heap import frozen_heap
+from ane_spec.shards.reshape_shapes import solved_once
 from ane_spec.shards.layer_graph import (
     CORRECT,
     BlockInputs,
@@ -334,7 +335,7 @@ def _program(specs: dict[str, object], body: Callable[[dict], list]) -> Program:
     # the model alone. A package's two functions may repeat names: each is its own scope, as
     # in the functions ct.utils.save_multifunction merges from separate conversions.
     mb.name_count.clear()
-    with Function(specs, opset_version=OPSET) as func:
+    with solved_once(), Function(specs, opset_version=OPSET) as func:
         func.set_outputs(body(func.inputs))
     prog = Program()
     prog.add_function(DECODE_FUNCTION, func)
