@@ -205,3 +205,147 @@ def test_hashing_goes_on_through_the_cache_where_direct_reads_are_refused(
     monkeypatch.setattr(os, "readv", readv)
     assert store.hash_path(f, uncached=True) == plain
     assert len(refused) == 1
+
+
+def _held_writes(monkeypatch: pytest.MonkeyPatch) -> tuple[object, list[int]]:
+    """DirectFile's writes wait for the returned event; the list gets each write's length."""
+    import threading
+
+    go = threading.Event()
+    lengths: list[int] = []
+    real = direct_file.DirectFile._write_stage
+
+    def held(self, length: int) -> None:
+        go.wait(30)
+        lengths.append(length)
+        real(self, length)
+
+    monkeypatch.setattr(direct_file.DirectFile, "_write_stage", held)
+    return go, lengths
+
+
+def test_borrowed_bytes_are_written_while_the_caller_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`append(borrowed=True)` queues the caller's own bytes and returns before they reach
+    the disk; `close()` waits for them. The file is what was appended, in order."""
+    monkeypatch.setattr(direct_file, "STAGE_BYTES", 1 << 16)
+    go, lengths = _held_writes(monkeypatch)
+    rng = np.random.default_rng(5)
+    parts = [rng.bytes(n) for n in (100, 3 << 16, 7, (1 << 16) - 107, 12345)]
+    f = direct_file.DirectFile(tmp_path / "f.bin")
+    for p in parts:
+        f.append(np.frombuffer(p, np.uint8), borrowed=p is parts[1])
+    assert f.size == sum(map(len, parts)) and lengths == []   # nothing written yet
+    go.set()
+    f.close()
+    assert (tmp_path / "f.bin").read_bytes() == b"".join(parts)
+    assert len(lengths) >= 5
+
+
+def test_copied_bytes_ahead_of_the_disk_are_bounded(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A producer faster than the disk waits once OWNED_BYTES_AHEAD copied bytes are queued,
+    rather than holding everything it made."""
+    import threading
+
+    monkeypatch.setattr(direct_file, "STAGE_BYTES", 4096)
+    monkeypatch.setattr(direct_file, "OWNED_BYTES_AHEAD", 3 * 4096)
+    go, _ = _held_writes(monkeypatch)
+    f = direct_file.DirectFile(tmp_path / "f.bin")
+    appended: list[int] = []
+
+    def produce() -> None:
+        for i in range(40):
+            f.append(bytes([i]) * 4096)
+            appended.append(i)
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    producer.join(1.0)
+    assert producer.is_alive() and len(appended) <= 6   # the limit, one item over, the stage
+    go.set()
+    producer.join(30)
+    f.close()
+    assert (tmp_path / "f.bin").read_bytes() == b"".join(bytes([i]) * 4096 for i in range(40))
+
+
+def test_a_failed_write_is_raised_by_the_writers_caller(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the writer thread fails with (a full disk) comes out of the next `append` or of
+    `close()`, once; the file is closed either way."""
+    import errno
+    import os
+    import time
+
+    monkeypatch.setattr(direct_file, "STAGE_BYTES", 4096)
+
+    def full(self, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
+
+    monkeypatch.setattr(direct_file.DirectFile, "_write_stage", full)
+    f = direct_file.DirectFile(tmp_path / "f.bin")
+    f.append(bytes(3 * 4096))
+    deadline = time.monotonic() + 30
+    while f._error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(OSError, match="No space left"):
+        f.append(b"more")
+    fd = f._fd
+    with pytest.raises(OSError, match="No space left"):
+        f.close()
+    assert f.closed
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    g = direct_file.DirectFile(tmp_path / "g.bin")   # a failure first seen at close()
+    g.append(bytes(10))
+    with pytest.raises(OSError, match="No space left"):
+        g.close()
+    assert g.closed
+
+
+def test_a_weight_file_finished_later_may_move_meanwhile(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`finish_later` returns while the writes go on; the file can be renamed in the meantime
+    (the package's weights folder is moved into place), and it is coremltools' own file once
+    the future ends: the header's blob count is written through a descriptor of its own."""
+    import os
+
+    stage = 1 << 16
+    monkeypatch.setattr(direct_file, "STAGE_BYTES", stage)
+    go, _ = _held_writes(monkeypatch)
+    blobs = _arrays(stage)
+    theirs = _BlobStorageWriter(str(tmp_path / "theirs.bin"))
+    expected = [getattr(theirs, method)(a) for method, a in blobs]
+    del theirs
+    ours = BlobFileWriter(str(tmp_path / "ours.bin"))
+    offsets = [getattr(ours, method)(a) for method, a in blobs]
+    done = ours.finish_later()
+    assert not done.done() and ours.size == (tmp_path / "theirs.bin").stat().st_size
+    os.rename(tmp_path / "ours.bin", tmp_path / "moved.bin")
+    go.set()
+    done.result(30)
+    assert offsets == expected
+    assert (tmp_path / "moved.bin").read_bytes() == (tmp_path / "theirs.bin").read_bytes()
+    ours.close()   # finished already: nothing more
+
+
+def test_a_file_discarded_while_finishing_stops_and_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build that fails stops the weight files still being written: the writer ends at its
+    next stage, the finish fails, and the descriptors are closed."""
+    import os
+    import threading
+
+    monkeypatch.setattr(direct_file, "STAGE_BYTES", 4096)
+    go, lengths = _held_writes(monkeypatch)
+    w = BlobFileWriter(str(tmp_path / "w.bin"))
+    w.write_int8_data(np.ones(10 * 4096, np.int8))
+    done = w.finish_later()
+    fd = w._file._fd
+    threading.Timer(0.2, go.set).start()   # the write under way ends; no other starts
+    w.discard()
+    with pytest.raises(ValueError, match="discarded"):
+        done.result(30)
+    assert len(lengths) <= 1
+    with pytest.raises(OSError):
+        os.fstat(fd)

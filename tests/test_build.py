@@ -157,11 +157,11 @@ def _second_save_finds_the_disk_full(monkeypatch: pytest.MonkeyPatch) -> None:
     real_save = build_module.save_package
     calls = Counter()
 
-    def flaky_save(prog, path, tmp_dir=None):
+    def flaky_save(prog, path, tmp_dir=None, finish_later=None):
         calls["n"] += 1
         if calls["n"] == 2:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        real_save(prog, path, tmp_dir)
+        real_save(prog, path, tmp_dir, finish_later)
 
     monkeypatch.setattr(build_module, "save_package", flaky_save)
 
@@ -207,6 +207,62 @@ def test_a_failed_build_waits_for_the_package_being_hashed(tiny_gguf: Path, tmp_
     assert hashed == [("layers_00_01.mlpackage", True)]   # finished inside a folder still there
     assert not any(t.name.startswith("finish-aside") for t in threading.enumerate())
     assert not _leftovers(tmp_path)
+
+
+def _slow_weight_writes(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Each stage of a package's weight file takes 0.2 s to write; the list gets, for each
+    package saved, whether its weight files were whole when `_save_checked` returned."""
+    import time
+
+    from ane_spec.shards import direct_file
+
+    real_write = direct_file.DirectFile._write_stage
+
+    def slow(self, length: int) -> None:
+        if str(self.path).endswith("weight.bin"):
+            time.sleep(0.2)
+        real_write(self, length)
+
+    whole: list[bool] = []
+    real_save = build_module._save_checked
+
+    def recorded(*args, **kwargs):
+        path, interface, writing = real_save(*args, **kwargs)
+        whole.append(all(w.done.done() for w in writing))
+        return path, interface, writing
+
+    monkeypatch.setattr(direct_file.DirectFile, "_write_stage", slow)
+    monkeypatch.setattr(build_module, "_save_checked", recorded)
+    return whole
+
+
+def test_packages_are_handed_over_before_their_weights_are_on_disk(
+        tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A package's weight file is finished by its own thread while the build goes on
+    (conversion_passes.weights_written_once `finish_later`): the build still records each
+    package's size and hash as the files are once whole, which loading checks."""
+    whole = _slow_weight_writes(monkeypatch)
+    out = tmp_path / "art"
+    build(tiny_gguf, out, BuildRequest(topology="1,1,1", max_seq=S))
+    assert len(whole) == 4 and not any(whole)
+    loaded = load_manifest(out)   # sizes and sha256 of every file, as written
+    for entry in [*loaded.manifest.shards, *loaded.manifest.heads]:
+        weights = out / entry.file.path / "Data" / "com.apple.CoreML" / "weights" / "weight.bin"
+        assert weights.stat().st_size > 64
+
+
+def test_a_failed_build_stops_the_weights_still_being_written(
+        tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build that fails while a package's weight file is still being written stops that
+    writer before its folder is removed: no thread outlives the build, nothing is left."""
+    import threading
+
+    _slow_weight_writes(monkeypatch)
+    _second_save_finds_the_disk_full(monkeypatch)
+    with pytest.raises(BuildError, match="No space left on device"):
+        build(tiny_gguf, tmp_path / "art", BuildRequest(topology="1,1,1", max_seq=S))
+    assert not any(t.name == "direct-file" for t in threading.enumerate())
+    assert not _leftovers(tmp_path) and not (tmp_path / "art").exists()
 
 
 def test_a_failed_embeddings_job_ends_the_build_before_the_head(

@@ -12,7 +12,9 @@ place, through the cache.
 
 from __future__ import annotations
 
+import os
 import struct
+from concurrent.futures import Future
 
 import numpy as np
 
@@ -40,8 +42,9 @@ BLOB_TYPES: dict[str, tuple[np.dtype, int]] = {
 
 class BlobFileWriter:
     """Stands in for coremltools' `libmilstoragepython._BlobStorageWriter` (same constructor,
-    same write_*_data methods and offsets) for the byte-sized types; `close()` must be called
-    to finish the file (the C++ writer finishes on destruction)."""
+    same write_*_data methods and offsets) for the byte-sized types; `close()` or
+    `finish_later()` must be called to finish the file (the C++ writer finishes on
+    destruction)."""
 
     def __init__(self, file_name: str, truncate_file: bool = True, *, direct: bool = True):
         if not truncate_file:
@@ -49,14 +52,17 @@ class BlobFileWriter:
         self.path = file_name
         self._file = DirectFile(file_name, direct=direct)
         self._count = 0
-        self._file.append(_HEADER.pack(0, _VERSION, *[0] * 7))   # its count: at close()
+        self._file.append(_HEADER.pack(0, _VERSION, *[0] * 7))   # its count: at the finish
 
     @property
     def direct(self) -> bool:
         return self._file.direct
 
     def write(self, method: str, data: np.ndarray) -> int:
-        """Append one blob; return the offset of its metadata (what the proto records)."""
+        """Append one blob; return the offset of its metadata (what the proto records). The
+        data is written from where it lies, after this returns (direct_file.py: borrowed), so
+        it stays unchanged until `close()`: coremltools' exporter hands the program's own
+        constants, which nothing changes."""
         dtype, code = BLOB_TYPES[method]
         if data.dtype != dtype:
             raise TypeError(f"{method} takes {dtype} values, not {data.dtype}")
@@ -66,7 +72,7 @@ class BlobFileWriter:
         self._file.append(bytes(metadata_at - end))
         self._file.append(_METADATA.pack(_SENTINEL, code, flat.nbytes,
                                          metadata_at + _METADATA.size, 0, *[0] * 4))
-        self._file.append(memoryview(flat))
+        self._file.append(memoryview(flat), borrowed=True)
         self._count += 1
         return metadata_at
 
@@ -78,14 +84,36 @@ class BlobFileWriter:
                                       "no program this project builds has them")
         raise AttributeError(name)
 
+    @property
+    def size(self) -> int:
+        """The file's length once finished."""
+        return self._file.size
+
     def close(self) -> None:
-        """Finish the file: what is staged, then the header with the blob count."""
-        if self._file.closed:
-            return
-        self._file.close()
-        with open(self.path, "r+b") as fh:
-            fh.write(_HEADER.pack(self._count, _VERSION, *[0] * 7))
+        """Finish the file (what is queued, then the header with the blob count) and wait."""
+        if not self._file.closed:
+            self.finish_later().result()
+
+    def finish_later(self) -> Future[None]:
+        """Finish the file in the writer's thread: what is queued, then the header with the
+        blob count, written through a descriptor of its own, so the file may be renamed or
+        moved within its filesystem meanwhile. The future ends when the file is whole."""
+        header = _HEADER.pack(self._count, _VERSION, *[0] * 7)
+        fd = os.open(self.path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            done = self._file.finish_later(lambda: _write_all_at(fd, header, 0))
+        except BaseException:
+            os.close(fd)
+            raise
+        done.add_done_callback(lambda _: os.close(fd))
+        return done
 
     def discard(self) -> None:
         """Close without finishing the file (a conversion that failed part-way)."""
         self._file.discard()
+
+
+def _write_all_at(fd: int, data: bytes, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n

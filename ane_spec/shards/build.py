@@ -36,7 +36,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -93,6 +93,7 @@ from ane_spec.shards.residual_scale import (
     stream_eps,
 )
 from ane_spec.shards.output_dir import OutputLock, building_dir, recover, swap_into_place
+from ane_spec.shards.conversion_passes import PendingWeights
 from ane_spec.shards.programs import (
     DEFAULT_PREFILL_T,
     DEFAULT_T,
@@ -372,7 +373,7 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
             shards.append(built.entry)
         model.check_unchanged()
         pending.relay()
-        _raise_if_failed(embeddings)
+        _raise_if_failed(embeddings, *shards)
 
     weight_memory.trim()   # the layers' buffers: the head's chunks are larger
     residual = decided()  # a build of reused shards only (or of none) has not asked yet
@@ -413,7 +414,7 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
             result.built.append(rel)
             heads.append(built.entry)
         model.check_unchanged()
-        _raise_if_failed(embeddings)
+        _raise_if_failed(embeddings, *shards, *heads)
     shutil.rmtree(_converter_tmp(tmp), ignore_errors=True)
     weight_memory.trim()   # the head's: nothing after it converts a matrix
 
@@ -442,11 +443,12 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
     return result
 
 
-def _raise_if_failed(job: Future | None) -> None:
+def _raise_if_failed(*jobs: Future | None) -> None:
     """Raise what a finished job beside the build raised (a corrupt embedding table, a full
-    disk) now, not after the packages still to come."""
-    if job is not None and job.done():
-        job.result()
+    disk under a package's weights) now, not after the packages still to come."""
+    for job in jobs:
+        if job is not None and job.done():
+            job.result()
 
 
 def _write_embeddings(model: GGUFModel, tmp: Path, log2: int) -> tuple[EmbeddingsEntry, int]:
@@ -772,11 +774,11 @@ def _build_shard(model: GGUFModel, r: BuildRequest, a: int, b: int, layers: list
     layers.clear()
     del program
     functions = describe_functions(holder[0])
-    path, (inputs, outputs, states) = _save_checked(holder, tmp, rel, "layers", r.weights,
-                                                    prefill_t=r.prefill_t or 0)
+    path, (inputs, outputs, states), writing = _save_checked(
+        holder, tmp, rel, "layers", r.weights, prefill_t=r.prefill_t or 0)
     return _built_package(tmp, path, finishing, quant, functions, lambda ref: ShardEntry(
         layers=(a, b), file=ref, inputs=inputs, outputs=outputs, states=states, quant=quant,
-        fingerprint=fp))
+        fingerprint=fp), writing)
 
 
 def describe_functions(prog: Program) -> str:
@@ -830,10 +832,10 @@ def _build_head(model: GGUFModel, r: BuildRequest, tmp: Path, rel: str, fp: str,
                            head_layout=r.head_layout,
                            eps=stream_eps(c.rms_eps, residual_log2) if residual_log2 else None)]
     del weights
-    path, (inputs, outputs, _) = _save_checked(holder, tmp, rel, "head", r.weights)
+    path, (inputs, outputs, _), writing = _save_checked(holder, tmp, rel, "head", r.weights)
     return _built_package(tmp, path, finishing, quant, "", lambda ref: HeadEntry(
         chunks=chunks, argmax=r.head_argmax, file=ref, inputs=inputs, outputs=outputs,
-        quant=quant, fingerprint=fp))
+        quant=quant, fingerprint=fp), writing)
 
 
 def build_logits_head(gguf_path: str | os.PathLike[str], manifest: Manifest,
@@ -878,8 +880,10 @@ def head_chunk_bounds(vocab_size: int, head_chunks: int, argmax: bool) -> list[t
 
 def _save_checked(holder: list[Program], tmp: Path, rel: str, kind: str, weights: WeightFormat,
                   prefill_t: int = 0):
-    """Record the interface, write the package and free the program's weights before the
-    static checks read the package back. Returns the package's path and interface.
+    """Record the interface, write the package and free the program before the static checks
+    read the package back. Returns the package's path, its interface and its weight files
+    still being written (conversion_passes.weights_written_once `finish_later`: they hold the
+    program's weights until written; `_built_package` waits for them).
 
     The program comes in a one-item list that this function empties: a MIL program is a web of
     reference cycles (ops, vars, blocks), so only gc.collect() frees it, and only once no caller
@@ -889,18 +893,28 @@ def _save_checked(holder: list[Program], tmp: Path, rel: str, kind: str, weights
     prog = holder.pop()
     interface = _interface(prog)
     path = tmp / rel
+    writing: list[PendingWeights] = []
     try:
-        save_package(prog, path, tmp_dir=_converter_tmp(tmp))
+        save_package(prog, path, tmp_dir=_converter_tmp(tmp), finish_later=writing)
     except RuntimeError as exc:
         # coremltools' C++ package and weight writers report I/O failures, a full disk among
         # them, as RuntimeError ("[MIL FileWriter]: Unknown error occurred while writing").
-        free = shutil.disk_usage(tmp).free
-        raise BuildError(f"writing {rel} failed: {untrusted(str(exc), 200)} "
-                         f"({free / 2**20:,.1f} MiB free where the build is written)") from None
+        raise _write_failed(tmp, rel, exc) from None
     del prog
     gc.collect()
-    check_package(path, kind=kind, weights=weights, prefill_t=prefill_t)
-    return path, interface
+    try:
+        check_package(path, kind=kind, weights=weights, prefill_t=prefill_t)
+    except BaseException:
+        for w in writing:
+            w.discard()
+        raise
+    return path, interface, writing
+
+
+def _write_failed(tmp: Path, rel: str, exc: BaseException) -> BuildError:
+    free = shutil.disk_usage(tmp).free
+    return BuildError(f"writing {rel} failed: {untrusted(str(exc), 200)} "
+                      f"({free / 2**20:,.1f} MiB free where the build is written)")
 
 
 Entry = TypeVar("Entry", ShardEntry, HeadEntry)
@@ -917,11 +931,29 @@ class BuiltPackage(Generic[Entry]):
 
 
 def _built_package(tmp: Path, path: Path, finishing: FinishAside | None, quant: QuantStats,
-                   functions: str, entry: Callable[[FileRef], Entry]) -> BuiltPackage[Entry]:
-    """The package at `path`, its entry made from its hash by `finishing` (here without)."""
-    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    made = (finishing.hash_package(tmp, path, entry) if finishing is not None
-            else done(entry(file_ref(tmp, path, uncached=True))))
+                   functions: str, entry: Callable[[FileRef], Entry],
+                   writing: Sequence[PendingWeights] = ()) -> BuiltPackage[Entry]:
+    """The package at `path`, its entry made from its hash by `finishing` once its weight files
+    still `writing` are whole (here, and at once, without)."""
+    rel = path.relative_to(tmp).as_posix()
+    pending = {os.path.abspath(w.path): w.bytes for w in writing}
+    size = sum(pending.get(os.path.abspath(f), f.stat().st_size)
+               for f in path.rglob("*") if f.is_file())
+
+    def failed(exc: BaseException) -> BuildError:
+        return _write_failed(tmp, rel, exc)
+
+    if finishing is not None:
+        made = finishing.hash_package(tmp, path, entry, writing, failed)
+    else:
+        for w in writing:
+            try:
+                w.done.result()
+            except BaseException as exc:
+                for other in writing:
+                    other.discard()
+                raise failed(exc) from None
+        made = done(entry(file_ref(tmp, path, uncached=True)))
     return BuiltPackage(made, size, quant, functions)
 
 

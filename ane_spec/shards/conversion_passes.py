@@ -51,6 +51,8 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 import coremltools as ct
@@ -99,13 +101,32 @@ _WRITE_METHOD = {
 }
 
 
+@dataclass
+class PendingWeights:
+    """A package's weight file still being written by its writer's thread (`finish_later`):
+    where it lies now, how long it will be, and the future that ends when it is whole."""
+
+    path: Path
+    bytes: int
+    done: Future[None]
+    writer: BlobFileWriter
+
+    def discard(self) -> None:
+        """Stop writing it (a build that failed): returns once its thread has let go."""
+        self.writer.discard()
+
+
 @contextlib.contextmanager
-def weights_written_once() -> Iterator[None]:
+def weights_written_once(finish_later: list[PendingWeights] | None = None) -> Iterator[None]:
     """While converting: the weight file is written by blob_file.BlobFileWriter (coremltools'
     layout, past the page cache), each weight handed to it as a view of its own array (the
     bytes `flatten()`'s copy would hold), and moved into the package instead of copied (a
     rename: both lie in the build's folder). tests/test_conversion_passes.py checks that the
-    packages are coremltools' own, byte for byte."""
+    packages are coremltools' own, byte for byte.
+
+    With `finish_later`, the package is written without waiting for its weight file's last
+    writes: each such file is appended there, still being finished, and is its caller's to
+    wait for or discard (the weights it is written from stay alive until then)."""
     from coremltools.converters.mil.backend.mil import helper, load
     from coremltools.models import model as ct_model
 
@@ -128,15 +149,33 @@ def weights_written_once() -> Iterator[None]:
         return getattr(blob_writer, method)(np.ascontiguousarray(val).reshape(-1).view(as_dtype))
 
     def create_package(proto_spec, weights_dir=None, package_path=None) -> str:
-        for w in writers:   # the proto is whole: every weight has been written
-            w.close()
-        if weights_dir is None or package_path is None:
+        # The proto is whole: every weight has been queued. A writer whose file moves with
+        # the folder is handed over to the caller at once (so a failure below discards it);
+        # the others are finished here.
+        moving = weights_dir is not None and package_path is not None
+        handed: dict[str, PendingWeights] = {}
+        for w in list(writers):
+            writers.remove(w)
+            if finish_later is not None and moving:
+                handed[os.path.abspath(w.path)] = p = PendingWeights(
+                    Path(w.path), w.size, w.finish_later(), w)
+                finish_later.append(p)
+            else:
+                w.close()
+        if not moving:
             return package_original(proto_spec, weights_dir, package_path)
         with tempfile.TemporaryDirectory(dir=Path(weights_dir).parent) as empty:
             path = package_original(proto_spec, empty, package_path)
         into = Path(path, *SPEC_IN_PACKAGE).parent / WEIGHTS_IN_PACKAGE
         for item in sorted(os.listdir(weights_dir)):
-            shutil.move(os.path.join(weights_dir, item), into / item)
+            source = os.path.abspath(os.path.join(weights_dir, item))
+            if source in handed:   # a rename: its writer goes on through its descriptor
+                os.rename(source, into / item)
+                handed.pop(source).path = into / item
+            else:
+                shutil.move(source, into / item)
+        for p in handed.values():   # not in the folder moved (never so): finished here
+            p.done.result()
         return path
 
     helper._get_offset_by_writing_data = write
@@ -144,6 +183,10 @@ def weights_written_once() -> Iterator[None]:
     load.BlobWriter = open_writer
     try:
         yield
+    except BaseException:
+        for p in finish_later or ():
+            p.discard()
+        raise
     finally:
         helper._get_offset_by_writing_data = write_original
         ct_model._create_mlpackage = package_original

@@ -9,20 +9,27 @@ Python) make, and sha256, the reads and the writes release the GIL: a helper thr
 while the building thread goes on, and their results are waited for when the manifest is
 written.
 
-One helper, in submission order. A build that fails or is interrupted cancels what has not
-started and waits for what is under way (one job, a few seconds), so no thread writes to or
-reads from the build's folder while it is removed.
+A package's weight file may still be being written by its own thread when the package is
+handed over (conversion_passes.weights_written_once `finish_later`: the disk takes ~1 GB/s, the
+next shard's conversion need not wait for it); its hash job waits for the file first.
+
+One helper, in submission order. A build that fails or is interrupted stops the weight files
+still being written, cancels what has not started and waits for what is under way (one job, a
+few seconds), so no thread writes to or reads from the build's folder while it is removed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from ane_spec.manifests.schema import FileRef
 from ane_spec.manifests.store import file_ref
+
+if TYPE_CHECKING:  # coremltools comes with it
+    from ane_spec.shards.conversion_passes import PendingWeights
 
 Result = TypeVar("Result")
 
@@ -32,17 +39,35 @@ class FinishAside:
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="finish-aside")
+        self._writing: list[PendingWeights] = []
 
     def run(self, job: Callable[[], Result]) -> Future[Result]:
         return self._pool.submit(job)
 
-    def hash_package(self, root: Path, path: Path, entry: Callable[[FileRef], Result]
+    def hash_package(self, root: Path, path: Path, entry: Callable[[FileRef], Result],
+                     writing: Sequence[PendingWeights] = (),
+                     failed: Callable[[BaseException], BaseException] | None = None
                      ) -> Future[Result]:
-        """`entry(file_ref(root, path))`, computed by the helper: the package at `path` must
-        not change from now on."""
-        return self.run(lambda: entry(file_ref(root, path, uncached=True)))
+        """`entry(file_ref(root, path))`, computed by the helper once the weight files still
+        `writing` are whole (what one failed with is raised as `failed(error)`): the package
+        at `path` must not change from now on."""
+        self._writing.extend(writing)
+
+        def job() -> Result:
+            for w in writing:
+                try:
+                    w.done.result()
+                except BaseException as exc:
+                    raise (failed(exc) if failed is not None else exc) from None
+            return entry(file_ref(root, path, uncached=True))
+
+        return self.run(job)
 
     def close(self) -> None:
+        """Stop the weight files still being written (a build that failed: their writes end
+        at once), cancel the jobs not started and wait for the one under way."""
+        for w in self._writing:
+            w.discard()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> FinishAside:

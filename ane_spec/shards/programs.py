@@ -28,6 +28,7 @@ from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
 from ane_spec.model.config import ModelConfig
 from ane_spec.shards import weight_sharing  # noqa: F401 - registers ane_spec::share_weights_across_functions
 from ane_spec.shards.conversion_passes import (
+    PendingWeights,
     convert_options,
     finish_package,
     weights_written_once,
@@ -355,7 +356,8 @@ def with_prefill(decode: Program, prefill: Program) -> Program:
     return both
 
 
-def save_package(prog: Program, path: Path, tmp_dir: Path | None = None) -> None:
+def save_package(prog: Program, path: Path, tmp_dir: Path | None = None,
+                 finish_later: list[PendingWeights] | None = None) -> None:
     """Convert to an ML program package. Every tensor input of the default function gets the one
     RangeDim(1, 4) T axis, defaulting to DEFAULT_T (a MIL-built program needs the flexible
     shapes passed here, coremltools #2500); a program made by `with_prefill` keeps its prefill
@@ -363,7 +365,10 @@ def save_package(prog: Program, path: Path, tmp_dir: Path | None = None) -> None
 
     ct.convert first writes the weights and a whole `tmpXXXX.mlpackage` through `tempfile`
     (converter.py's weights_dir, utils.py's _create_mlpackage); with `tmp_dir` those go there
-    instead of the system temp folder, where a killed build would leave them behind."""
+    instead of the system temp folder, where a killed build would leave them behind.
+
+    `finish_later`: the weight file may still be being written when this returns; it is
+    appended there, for the caller to wait for (conversion_passes.weights_written_once)."""
     func = prog.functions[DECODE_FUNCTION]
     inputs = []
     for name, var in func.inputs.items():
@@ -377,7 +382,7 @@ def save_package(prog: Program, path: Path, tmp_dir: Path | None = None) -> None
     if len(prog.functions) > 1:
         options["pass_pipeline"] = with_weight_sharing(options["pass_pipeline"])
     with _quiet_pass_pipeline(), _validate_once(), _tempfile_dir(tmp_dir), frozen_heap(), \
-            weights_written_once():
+            weights_written_once(finish_later):
         model = ct.convert(prog, inputs=inputs, minimum_deployment_target=OPSET,
                            compute_precision=ct.precision.FLOAT32, skip_model_load=True,
                            convert_to="mlprogram", **options)
