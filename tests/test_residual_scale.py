@@ -310,6 +310,46 @@ def test_a_calibration_in_two_parts_sees_what_one_run_sees(tiny_gguf: Path) -> N
         f.residual <= w.residual * (1 + 1e-6) for f, w in zip(first.layers, whole.layers))
 
 
+def test_a_decision_open_for_good_ends_the_first_part_at_that_layer(
+        tiny_gguf: Path) -> None:
+    """Once the first part's maxima refuse the stop whatever comes (`open_for_good`), it ends
+    after that layer and every token runs from the start in one pass: the one-part run's
+    record, to the bit, for one more pass over the first layers only."""
+    from ane_spec.model.activation_range import measure_activations
+
+    model = open_gguf(tiny_gguf)
+    whole = measure_activations(model)
+    for at_layer in (0, 1):
+        said: list[str] = []
+        asked: list[int] = []
+
+        def hopeless(part, at_layer=at_layer) -> bool:
+            asked.append(part.tokens)
+            return part.layers[at_layer].residual > 0
+
+        early = measure_activations(model, progress=said.append, settled=lambda f: False,
+                                    open_for_good=hopeless)
+        assert any(f"leave the decision open by layer {at_layer + 1};" in m for m in said)
+        assert early.tokens == whole.tokens and early.embedding == whole.embedding
+        assert [vars(r) for r in early.layers] == [vars(r) for r in whole.layers]
+        assert set(asked) == {5 * 8}   # asked only of the first part
+
+
+def test_the_build_calibration_stops_its_first_part_where_the_stop_is_refused(
+        tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """residual_scale.calibrate hands `measure_activations` the stop's own rule, negated: a
+    bound no peak can meet ends the first part at the first layer."""
+    from ane_spec.model.activation_range import measure_activations
+    from ane_spec.shards import residual_scale
+
+    model = open_gguf(tiny_gguf)
+    monkeypatch.setattr(residual_scale, "SETTLED_HEADROOM", 1e12)
+    said: list[str] = []
+    ranges = residual_scale.calibrate(model, "auto", said.append)
+    assert any("leave the decision open by layer 1;" in m for m in said)
+    assert [vars(r) for r in ranges.layers] == [vars(r) for r in measure_activations(model).layers]
+
+
 def test_the_calibration_stops_early_only_far_from_the_bound() -> None:
     from ane_spec.model.activation_range import ActivationRanges, LayerRange
     from ane_spec.shards.residual_scale import SAFETY, SETTLED_HEADROOM, settled

@@ -92,6 +92,10 @@ class _Collector:
     embedding: float = 0.0
     non_finite: list[str] = field(default_factory=list)
 
+    def reset(self) -> None:
+        self.ranges = [LayerRange() for _ in self.ranges]
+        self.embedding = 0.0
+
     def __call__(self, what: str, layer: int, x: torch.Tensor) -> None:
         peak = float(x.abs().max())
         if not math.isfinite(peak):
@@ -103,6 +107,15 @@ class _Collector:
             return
         r = self.ranges[layer]
         setattr(r, what, max(getattr(r, what), peak))
+
+
+class _DecisionOpen(Exception):
+    """Raised by the observer when what the first part has measured already decides that the
+    rest must be measured too (`measure_activations`' `open_for_good`)."""
+
+    def __init__(self, layer: int):
+        super().__init__(layer)
+        self.layer = layer
 
 
 class CalibrationStopped(Exception):
@@ -122,11 +135,16 @@ class _Progress:
     started: float
     checkpoint: Callable[[], None] | None = None
     last: float = 0.0
+    # While the first part runs: whether the maxima so far already leave the decision open
+    # whatever comes (asked after each add into the stream).
+    open_for_good: Callable[[], bool] | None = None
 
     def __call__(self, what: str, layer: int, x: "torch.Tensor") -> None:
         if self.checkpoint is not None:
             self.checkpoint()
         self.collect(what, layer, x)
+        if what == "residual" and self.open_for_good is not None and self.open_for_good():
+            raise _DecisionOpen(layer)
         now = time.monotonic()
         if what == "residual" and now - self.last > 5.0 and layer + 1 < self.layers:
             self.last = now
@@ -154,7 +172,8 @@ def measure_activations(model: GGUFModel, prompts: Sequence[str] = CALIBRATION_P
                         max_tokens: int = DEFAULT_MAX_TOKENS,
                         progress: Progress | None = None,
                         checkpoint: Callable[[], None] | None = None,
-                        settled: Callable[["ActivationRanges"], bool] | None = None
+                        settled: Callable[["ActivationRanges"], bool] | None = None,
+                        open_for_good: Callable[["ActivationRanges"], bool] | None = None
                         ) -> ActivationRanges:
     """Per-layer activation maxima of the fp32 reference over `prompts` (see module docstring).
     Raises ValueError if the fp32 reference itself produces a non-finite value; whatever
@@ -165,7 +184,13 @@ def measure_activations(model: GGUFModel, prompts: Sequence[str] = CALIBRATION_P
     "no later token could change what I decide" (residual_scale.py: a margin far beyond the
     safety factor). The rest continues from the first part's caches, so every token is still
     seen once; what the early stop saves is the rest's matmuls, what a full run costs beyond it
-    is one more dequantization of the weights."""
+    is one more dequantization of the weights.
+
+    With `open_for_good` too (true of maxima that no further token could let `settled` accept:
+    a peak already past its bound), the first part is asked after each layer, and ends as soon
+    as it says so: every token then runs from the start in one pass, the run without
+    `settled`. Real models' margins are under the early stop's bound from their first layers
+    (massive activations), so they dequantize those layers twice, not the whole model."""
     from ane_spec.model.reference import ReferenceModel
 
     say = progress or (lambda _msg: None)
@@ -181,8 +206,9 @@ def measure_activations(model: GGUFModel, prompts: Sequence[str] = CALIBRATION_P
     # the same products, without one layer's fp32 weights (0.45 GB on Phi-4-mini) written to
     # memory and read back. The block comes from a pool: fresh pages cost a host fault each on
     # the VMs this runs on (memory_pool.py).
+    progress_observer = _Progress(collect, say, c.num_layers, started, checkpoint)
     ref = ReferenceModel(model, context_window=window, materialize=False,
-                         observer=_Progress(collect, say, c.num_layers, started, checkpoint),
+                         observer=progress_observer,
                          allocate=MemoryPool().empty, stream_weights=True)
     total = sum(map(len, sequences))
     say(f"calibrating activations: {len(sequences)} prompts, {total} tokens, fp32 reference")
@@ -205,8 +231,22 @@ def measure_activations(model: GGUFModel, prompts: Sequence[str] = CALIBRATION_P
             ref.run_layer_major(sequences)
             return measured(total)
         heads = [s[:HEAD_TOKENS] for s in sequences]
-        caches = ref.run_layer_major(heads)
-        first = measured(sum(map(len, heads)))
+        head_tokens = sum(map(len, heads))
+        if open_for_good is not None:
+            progress_observer.open_for_good = lambda: (not collect.non_finite
+                                                       and open_for_good(measured(head_tokens)))
+        try:
+            caches = ref.run_layer_major(heads)
+        except _DecisionOpen as early:
+            say(f"calibrating activations: the first {HEAD_TOKENS} tokens of each prompt leave "
+                f"the decision open by layer {early.layer + 1}; all {total} tokens from the "
+                "start")
+            progress_observer.open_for_good = None
+            collect.reset()
+            ref.run_layer_major(sequences)
+            return measured(total)
+        progress_observer.open_for_good = None
+        first = measured(head_tokens)
         if settled(first):
             say(f"calibrating activations: settled by the first {HEAD_TOKENS} tokens of each "
                 f"prompt ({first.tokens} of {total}), in {first.seconds:.1f}s")

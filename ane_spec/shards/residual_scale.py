@@ -65,7 +65,8 @@ MAX_ABS_LOG2 = 12
 # when both margins, as the program would hold them, are this many times SAFETY: the remaining
 # tokens would have to raise a peak 16x to change k or to bring either margin near SAFETY.
 # Random-weight models sit at hundreds or more (synthetic Phi-4-mini: 573x) and stop; the real
-# Qwen2.5-Coder 0.5B (50x) and 1.5B (17x) do not, and are measured on every token.
+# Qwen2.5-Coder 0.5B (50x) and 1.5B (17x) do not, and are measured on every token: the first
+# part ends at the layer whose peak refuses the stop, and every token runs from the start.
 SETTLED_HEADROOM = 16.0
 
 # LayerWeights fields whose output is added into the residual stream, per architecture
@@ -194,8 +195,12 @@ def calibrate(model: GGUFModel, setting: str, say: Callable[[str], None],
     if setting == "off":
         return None
     try:
+        # `settled` only ever turns false as peaks grow (it asks the peak, as the program
+        # holds it, to stay under a bound; auto's k < 0 leaves a margin under 16x), so a
+        # partial measurement it refuses is refused for good.
         return measure_activations(model, progress=say, checkpoint=checkpoint,
-                                   settled=lambda first: settled(setting, first))
+                                   settled=lambda first: settled(setting, first),
+                                   open_for_good=lambda part: not settled(setting, part))
     except ValueError as exc:
         if isinstance(exc, NonFiniteActivations):  # usually a corrupt file: name the
             for tensor in model.tensors.values():  # tensor, as the conversion would have
