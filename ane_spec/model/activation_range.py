@@ -137,13 +137,13 @@ class _Progress:
     last: float = 0.0
     # While the first part runs: whether the maxima so far already leave the decision open
     # whatever comes (asked after each add into the stream).
-    open_for_good: Callable[[], bool] | None = None
+    first_part_done: Callable[[], bool] | None = None
 
     def __call__(self, what: str, layer: int, x: "torch.Tensor") -> None:
         if self.checkpoint is not None:
             self.checkpoint()
         self.collect(what, layer, x)
-        if what == "residual" and self.open_for_good is not None and self.open_for_good():
+        if what == "residual" and self.first_part_done is not None and self.first_part_done():
             raise _DecisionOpen(layer)
         now = time.monotonic()
         if what == "residual" and now - self.last > 5.0 and layer + 1 < self.layers:
@@ -233,19 +233,19 @@ def measure_activations(model: GGUFModel, prompts: Sequence[str] = CALIBRATION_P
         heads = [s[:HEAD_TOKENS] for s in sequences]
         head_tokens = sum(map(len, heads))
         if open_for_good is not None:
-            progress_observer.open_for_good = lambda: (not collect.non_finite
-                                                       and open_for_good(measured(head_tokens)))
+            progress_observer.first_part_done = lambda: (not collect.non_finite
+                                                         and open_for_good(measured(head_tokens)))
         try:
             caches = ref.run_layer_major(heads)
         except _DecisionOpen as early:
             say(f"calibrating activations: the first {HEAD_TOKENS} tokens of each prompt leave "
                 f"the decision open by layer {early.layer + 1}; all {total} tokens from the "
                 "start")
-            progress_observer.open_for_good = None
+            progress_observer.first_part_done = None
             collect.reset()
             ref.run_layer_major(sequences)
             return measured(total)
-        progress_observer.open_for_good = None
+        progress_observer.first_part_done = None
         first = measured(head_tokens)
         if settled(first):
             say(f"calibrating activations: settled by the first {HEAD_TOKENS} tokens of each "

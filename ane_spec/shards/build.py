@@ -93,7 +93,7 @@ from ane_spec.shards.residual_scale import (
     stream_eps,
 )
 from ane_spec.shards.output_dir import OutputLock, building_dir, recover, swap_into_place
-from ane_spec.shards.conversion_passes import PendingWeights
+from ane_spec.shards.conversion_passes import PendingWeights, wait_whole
 from ane_spec.shards.programs import (
     DEFAULT_PREFILL_T,
     DEFAULT_T,
@@ -946,13 +946,7 @@ def _built_package(tmp: Path, path: Path, finishing: FinishAside | None, quant: 
     if finishing is not None:
         made = finishing.hash_package(tmp, path, entry, writing, failed)
     else:
-        for w in writing:
-            try:
-                w.done.result()
-            except BaseException as exc:
-                for other in writing:
-                    other.discard()
-                raise failed(exc) from None
+        wait_whole(writing, failed)
         made = done(entry(file_ref(tmp, path, uncached=True)))
     return BuiltPackage(made, size, quant, functions)
 

@@ -50,7 +50,7 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,6 +114,19 @@ class PendingWeights:
     def discard(self) -> None:
         """Stop writing it (a build that failed): returns once its thread has let go."""
         self.writer.discard()
+
+
+def wait_whole(writing: Sequence[PendingWeights],
+               failed: Callable[[BaseException], BaseException]) -> None:
+    """Wait until every file `writing` is whole; what one failed with is raised as
+    `failed(error)`, the others stopped first."""
+    for w in writing:
+        try:
+            w.done.result()
+        except BaseException as exc:
+            for other in writing:
+                other.discard()
+            raise failed(exc) from None
 
 
 @contextlib.contextmanager

@@ -23,13 +23,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from ane_spec.manifests.schema import FileRef
 from ane_spec.manifests.store import file_ref
-
-if TYPE_CHECKING:  # coremltools comes with it
-    from ane_spec.shards.conversion_passes import PendingWeights
+from ane_spec.shards.conversion_passes import PendingWeights, wait_whole
 
 Result = TypeVar("Result")
 
@@ -46,7 +44,7 @@ class FinishAside:
 
     def hash_package(self, root: Path, path: Path, entry: Callable[[FileRef], Result],
                      writing: Sequence[PendingWeights] = (),
-                     failed: Callable[[BaseException], BaseException] | None = None
+                     failed: Callable[[BaseException], BaseException] = lambda exc: exc
                      ) -> Future[Result]:
         """`entry(file_ref(root, path))`, computed by the helper once the weight files still
         `writing` are whole (what one failed with is raised as `failed(error)`): the package
@@ -54,11 +52,7 @@ class FinishAside:
         self._writing.extend(writing)
 
         def job() -> Result:
-            for w in writing:
-                try:
-                    w.done.result()
-                except BaseException as exc:
-                    raise (failed(exc) if failed is not None else exc) from None
+            wait_whole(writing, failed)
             return entry(file_ref(root, path, uncached=True))
 
         return self.run(job)
