@@ -15,13 +15,18 @@ from pathlib import Path
 import coremltools as ct
 import numpy as np
 import pytest
+from coremltools.converters.mil import Builder as mb
+from coremltools.converters.mil.backend.mil import load as backend_load
+from coremltools.converters.mil.mil import Program, types
+from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass
+from coremltools.converters.mil.mil.passes.pass_registry import register_pass
 from gguf import GGMLQuantizationType
 from gguf import dequantize as gguf_dequantize
 from gguf import quantize as gguf_quantize
 
 from ane_spec.manifests.store import load_manifest
 from ane_spec.model.synthetic import preset, write_synthetic_gguf
-from ane_spec.shards import programs
+from ane_spec.shards import conversion_passes, programs
 from ane_spec.shards.build import BuildRequest, build
 from ane_spec.shards.conversion_passes import CONVERSION_PASSES, conversion_pipeline
 from tests.gguf_edit import rewrite_gguf
@@ -248,3 +253,56 @@ def test_each_weight_dtype_is_written_as_coremltools_writes_it(dtype: str,
     assert helper._get_offset_by_writing_data is original and load.BlobWriter is not BlobFileWriter
     assert offsets == expected
     assert (tmp_path / "once.bin").read_bytes() == path.read_bytes()
+
+
+def _small_program():
+    @mb.program(input_specs=[mb.TensorSpec((1, 8), dtype=types.fp16)],
+                opset_version=programs.OPSET)
+    def prog(x):
+        return mb.mul(x=mb.add(x=x, y=np.float16(1)), y=np.float16(2), name="y")
+
+    return prog
+
+
+def test_each_state_of_a_program_is_validated_once(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """save_package validates the program as built, after the main pipeline and after the
+    backend one: not again before a pipeline when nothing touched it since the last check."""
+    seen: list[int] = []
+    validate = Program.validate
+
+    def counted(self, *args, **kwargs):
+        seen.append(id(self))
+        return validate(self, *args, **kwargs)
+
+    # the backend's writer (load.py) validates on its own afterwards: not counted here
+    at_backend: list[int] = []
+    load = backend_load.load
+
+    def backend(prog, *args, **kwargs):
+        at_backend.append(len(seen))
+        return load(prog, *args, **kwargs)
+
+    monkeypatch.setattr(Program, "validate", counted)
+    monkeypatch.setattr(backend_load, "load", backend)
+    programs.save_package(_small_program(), tmp_path / "p.mlpackage")
+    assert at_backend == [3]
+
+
+@register_pass(namespace="ane_spec_test")
+class _unlink_a_consumer(AbstractGraphPass):
+    """Leaves a var believing an op consumes it twice: what Program.validate exists to catch."""
+
+    def apply(self, prog: Program) -> None:
+        op = prog.functions["main"].operations[-1]
+        op.inputs["x"].add_child_op(op)
+
+
+def test_a_pass_that_leaves_the_program_invalid_fails_the_save(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The main pipeline's last pass breaks the program: its final validation says so (the
+    backend pipeline then starts without validating the same program again)."""
+    monkeypatch.setattr(conversion_passes, "CONVERSION_PASSES",
+                        (*CONVERSION_PASSES, "ane_spec_test::_unlink_a_consumer"))
+    with pytest.raises(Exception, match="should be consumed"):
+        programs.save_package(_small_program(), tmp_path / "p.mlpackage")

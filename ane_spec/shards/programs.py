@@ -421,22 +421,33 @@ def _validate_once() -> Iterator[None]:
     (profiled on tiny-code: validate 8.5 s and to_str 1.5 s of 16.8 s). `Program.validate`
     only checks, it never changes the program, so the package written is the same; the final
     validation still fails the build if any pass left the program invalid (with the essential-
-    scope check where the pipeline ran dead-code elimination, as coremltools does)."""
+    scope check where the pipeline ran dead-code elimination, as coremltools does).
+
+    Nor is a program validated again before a pipeline when the last thing done to it was the
+    previous pipeline's final validation: `mil_convert_to_proto` runs its frontend pipeline
+    (empty for a MIL program), the main one and the backend one back to back, so "before" the
+    second and third is "after" the first and second, and an empty pipeline changes nothing.
+    That is 3 validations per package where there were 6."""
     from coremltools.converters.mil.mil.passes.pass_pipeline import PassPipelineManager
 
     original = PassPipelineManager.__dict__["apply_pipeline"]
+    validated: list[Program] = []   # the program a pipeline validated last, untouched since
 
     def apply_pipeline(prog: Program, pass_pipeline: object) -> None:
         if pass_pipeline is None:
             raise ValueError("The pass_pipeline cannot be None.")
         pass_pipeline.validate()  # type: ignore[attr-defined]
-        prog.validate()
+        if not (validated and validated[0] is prog):
+            prog.validate()
+        validated.clear()
         passes = list(pass_pipeline.passes)  # type: ignore[attr-defined]
         for pass_name in passes:
             graph_pass = PASS_REGISTRY[pass_name]
             graph_pass.set_options(pass_pipeline.get_options(pass_name))  # type: ignore[attr-defined]
             graph_pass(prog)
-        prog.validate(check_essential_scope="common::dead_code_elimination" in passes)
+        if passes:
+            prog.validate(check_essential_scope="common::dead_code_elimination" in passes)
+        validated.append(prog)
 
     PassPipelineManager.apply_pipeline = staticmethod(apply_pipeline)
     try:
