@@ -116,6 +116,7 @@ def test_hashing_past_the_page_cache_hashes_the_same(tmp_path: Path,
     from ane_spec.manifests import store
 
     monkeypatch.setattr(store, "_CHUNK", 1 << 16)
+    monkeypatch.setattr(store, "_DIRECT_CHUNKS", 1)   # files of many direct reads, too
     pkg = tmp_path / "p.mlpackage"
     (pkg / "Data" / "weights").mkdir(parents=True)
     rng = np.random.default_rng(2)
@@ -202,6 +203,7 @@ def test_hashing_goes_on_through_the_cache_where_direct_reads_are_refused(
         return real_readv(fd, buffers)
 
     monkeypatch.setattr(store, "_CHUNK", 1 << 16)
+    monkeypatch.setattr(store, "_DIRECT_CHUNKS", 1)
     monkeypatch.setattr(os, "readv", readv)
     assert store.hash_path(f, uncached=True) == plain
     assert len(refused) == 1

@@ -17,6 +17,7 @@ import math
 import mmap
 import os
 import stat
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -39,6 +40,9 @@ if TYPE_CHECKING:
     from ane_spec.model.tokenizer_data import TokenizerData
 
 _CHUNK = 1 << 22
+# A direct read is one request to the disk, with no read-ahead: larger ones read faster here
+# (a 1.4 GB package: 1.8 s at 4 MB, 1.6 s at 16 MB, hashing included).
+_DIRECT_CHUNKS = 4
 # A real manifest is tens of KB (RoPE factors, interfaces, gate figures).
 MAX_MANIFEST_BYTES = 4 << 20
 # A real .mlpackage holds about five files; a folder with more is not one of ours.
@@ -108,40 +112,52 @@ def hash_path(path: Path, *, uncached: bool = False) -> tuple[int, str]:
         files = [("/".join(parts).encode() + b"\0", f) for parts, f in _walk_files(path)]
     else:
         files = [(b"", path)]
-    buffer = mmap.mmap(-1, _CHUNK) if uncached else None   # page-aligned, as O_DIRECT needs
+    # page-aligned, as O_DIRECT needs; two, to read one while the other is hashed
+    size = _CHUNK * _DIRECT_CHUNKS
+    buffers = (mmap.mmap(-1, size), mmap.mmap(-1, size)) if uncached else None
     try:
         for name, f in files:
             h.update(name)
             with open_regular(f) as fh:
-                if buffer is not None and set_direct_io(fh.fileno(), True):
-                    total += _hash_direct(fh.fileno(), buffer, h)
+                if buffers is not None and set_direct_io(fh.fileno(), True):
+                    total += _hash_direct(fh.fileno(), buffers, h)
                     continue
                 while block := fh.read(_CHUNK):
                     h.update(block)
                     total += len(block)
     finally:
-        if buffer is not None:
+        for buffer in buffers or ():
             buffer.close()
     return total, h.hexdigest()
 
 
-def _hash_direct(fd: int, buffer: mmap.mmap, h: "hashlib._Hash") -> int:
-    """Hash the rest of `fd` (opened with O_DIRECT) through `buffer`; a filesystem that took
-    the flag but refuses its reads (EINVAL) is read on through the cache. Returns the bytes."""
-    total = 0
+def _hash_direct(fd: int, buffers: tuple[mmap.mmap, mmap.mmap], h: "hashlib._Hash") -> int:
+    """Hash the rest of `fd` (opened with O_DIRECT), reading the next chunk into one buffer
+    while the other is hashed. A direct read has no read-ahead: one at a time, the disk and
+    sha256 took turns (a 1.4 GB package: 2.1 s, 1.1 of it CPU). Both release the GIL.
+    Returns the bytes."""
+    total, k = 0, 0
+    with ThreadPoolExecutor(1, thread_name_prefix="hash-read") as reader:
+        n = _read_direct(fd, buffers[k])
+        while n:
+            ahead = reader.submit(_read_direct, fd, buffers[1 - k])
+            with memoryview(buffers[k]) as view:
+                h.update(view[:n])
+            total += n
+            n, k = ahead.result(), 1 - k
+    return total
+
+
+def _read_direct(fd: int, buffer: mmap.mmap) -> int:
+    """One read of `fd` into `buffer`; a filesystem that took O_DIRECT but refuses its reads
+    (EINVAL) is read on through the cache."""
     while True:
         try:
-            n = os.readv(fd, [buffer])
+            return os.readv(fd, [buffer])
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
             set_direct_io(fd, False)
-            continue
-        if not n:
-            return total
-        with memoryview(buffer) as view:
-            h.update(view[:n])
-        total += n
 
 
 def file_ref(root: Path, path: Path, *, uncached: bool = False) -> FileRef:
