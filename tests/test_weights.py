@@ -23,6 +23,27 @@ def test_q8_0_fast_path_matches_generic_requantization(tiny_gguf: Path) -> None:
     assert abs(fast_acc.cosine() - slow_acc.cosine()) < 1e-7
 
 
+def test_q8_0_requantization_takes_numpys_int8_times_float32_products(tiny_gguf: Path) -> None:
+    """The fast path casts the int8 values once and multiplies the cast: the values, scales,
+    int8 rows and cosine sums are those of numpy's int8 * float32 products, bit for bit."""
+    t = open_gguf(tiny_gguf).tensor("blk.0.ffn_up.weight")
+    assert t.is_q8_0
+    qs, d = t.q8_0()
+    n = t.shape[0]
+    d32 = d.astype(np.float32)
+    original = (qs * d32[..., None]).reshape(n, -1)
+    s16 = (np.abs(original).max(axis=1, keepdims=True) / 127.0).astype(np.float16)
+    s32 = s16.astype(np.float32)
+    expected = np.clip(np.rint((qs * (d32 / s32)[..., None]).reshape(n, -1)), -127, 127)
+    want = W._CosineAccumulator()
+    want.add_scaled(original, expected, s32[:, 0])
+    got = W._CosineAccumulator()
+    q, s = W._requantize_q8_0_rows(t, np.arange(n), got)
+    np.testing.assert_array_equal(q, expected.astype(np.int8))
+    np.testing.assert_array_equal(s.view(np.uint16), s16.view(np.uint16))
+    assert (got.ab, got.aa, got.bb) == (want.ab, want.aa, want.bb)
+
+
 def test_q8_0_fast_path_gathers_rows_as_it_slices_them(tiny_gguf: Path) -> None:
     """A run of rows is sliced, any other index gathered: both give the full matrix's rows."""
     t = open_gguf(tiny_gguf).tensor("blk.0.ffn_up.weight")
