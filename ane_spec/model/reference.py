@@ -32,7 +32,6 @@ import torch.nn.functional as F
 
 from ane_spec.errors import AneSpecError
 from ane_spec.model.gguf_file import GGUFModel, Tensor
-from ane_spec.model.quant import q8_0_dequantize
 from ane_spec.model.rope import RopeSpec
 
 
@@ -139,12 +138,9 @@ class Weights:
         if t.is_q8_0:
             qs, d = t.q8_0()
             block = self.empty((min(step, out_rows) * width,), np.float32)
-
-            def into_block(shape: tuple[int, ...], _dtype: np.dtype) -> np.ndarray:
-                return block[:math.prod(shape)].reshape(shape)
         for r0 in range(0, out_rows, step):
             r1 = min(out_rows, r0 + step)
-            values = (q8_0_dequantize(qs[r0:r1], d[r0:r1], np.float32, into_block) if t.is_q8_0
+            values = (_q8_0_rows_into(block, qs[r0:r1], d[r0:r1]) if t.is_q8_0
                       else t.rows(np.arange(r0, r1), np.float32))
             torch.mm(x, torch.from_numpy(values).T, out=out[:, r0:r1])
         t.release()
@@ -418,3 +414,15 @@ class ReferenceModel:
                 break
             logits = self.forward([tok], cache)[-1]
         return out
+
+
+def _q8_0_rows_into(block: np.ndarray, qs: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Q8_0 rows (blocked int8 `[rows, nb, 32]`, fp16 scales `[rows, nb]`) dequantized into the
+    front of `block`, as `[rows, nb * 32]` float32: the int8 cast by numpy, then scaled in
+    place by torch, whose broadcast multiply is faster than numpy's (a third off a 2 MB block
+    here). The same values as quant.q8_0_dequantize, bit for bit: an exact cast, then one
+    float32 product each."""
+    values = block[:qs.size].reshape(qs.shape)
+    np.copyto(values, qs, casting="unsafe")
+    torch.from_numpy(values).mul_(torch.from_numpy(d.astype(np.float32)).unsqueeze(-1))
+    return values.reshape(qs.shape[0], -1)
