@@ -3,7 +3,7 @@
 `dequantize_rows` hands whole rows of blocks to `gguf.quants.dequantize`, the code llama.cpp's
 own Python tools use, so a K-quant or IQ file reads as llama.cpp defines it; the types of a
 Q4_K_M file (and Q4_0, Q4_1) go through `block_dequant.py` instead, which gives gguf-py's
-values bit for bit 4-5x faster. The callers bound the work (a chunk of rows at a time); gguf-py
+values bit for bit ~3x faster. The callers bound the work (a chunk of rows at a time); gguf-py
 itself works through 16 rows at a time, so its temporaries stay a few times one chunk.
 
 A Q8_0 row of n values is n/32 blocks of 34 bytes: an fp16 scale `d` then 32 int8 `qs`, and
