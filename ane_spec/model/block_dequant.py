@@ -61,23 +61,25 @@ def q4_1(blocks: np.ndarray) -> np.ndarray:
     return values
 
 
+def _fifth_bits(q: np.ndarray, plane: np.ndarray) -> np.ndarray:
+    """`q [n, 32]` nibbles with their fifth bits from `plane [n, 4]`, a little-endian uint32
+    whose bit j is value j's."""
+    high = np.unpackbits(plane, axis=1, bitorder="little")
+    high <<= 4
+    q |= high
+    return q
+
+
 def q5_0(blocks: np.ndarray) -> np.ndarray:
     n = blocks.shape[0]
     q = _nibbles(blocks[:, 6:], np.empty((n, 2, 16), np.uint8)).reshape(n, 32)
-    # bit j of the little-endian uint32 qh is value j's fifth bit
-    high = np.unpackbits(blocks[:, 2:6], axis=1, bitorder="little")
-    high <<= 4
-    q |= high
-    return _scaled(q, 16, _fp16(blocks[:, :2]))
+    return _scaled(_fifth_bits(q, blocks[:, 2:6]), 16, _fp16(blocks[:, :2]))
 
 
 def q5_1(blocks: np.ndarray) -> np.ndarray:
     n = blocks.shape[0]
     q = _nibbles(blocks[:, 8:], np.empty((n, 2, 16), np.uint8)).reshape(n, 32)
-    high = np.unpackbits(blocks[:, 4:8], axis=1, bitorder="little")
-    high <<= 4
-    q |= high
-    values = _scaled(q, 0, _fp16(blocks[:, :2]))
+    values = _scaled(_fifth_bits(q, blocks[:, 4:8]), 0, _fp16(blocks[:, :2]))
     values += _fp16(blocks[:, 2:4])
     return values
 
@@ -123,37 +125,34 @@ def q3_k(blocks: np.ndarray) -> np.ndarray:
     return values.reshape(n, 256)
 
 
-def q4_k(blocks: np.ndarray) -> np.ndarray:
+def _scale_min_k(blocks: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Q4_K's and Q5_K's values from their quants `q [n, 8, 32]`: d * sc * q - dmin * m, with
+    a six-bit scale and min per 32-value sub-block."""
     n = blocks.shape[0]
-    d = _fp16(blocks[:, 0:2])
-    dmin = _fp16(blocks[:, 2:4])
     sc, m = GGUF_Q4_K.get_scale_min(blocks[:, 4:16])
-    d = (d * sc.astype(_F32)).reshape(n, 8, 1)
-    dm = (dmin * m.astype(_F32)).reshape(n, 8, 1)
-    q = _nibbles(blocks[:, 16:].reshape(n, 4, 32), np.empty((n, 4, 2, 32), np.uint8))
-    values = q.reshape(n, 8, 32).astype(_F32)
+    d = (_fp16(blocks[:, 0:2]) * sc.astype(_F32)).reshape(n, 8, 1)
+    dm = (_fp16(blocks[:, 2:4]) * m.astype(_F32)).reshape(n, 8, 1)
+    values = q.astype(_F32)
     values *= d
     values -= dm
     return values.reshape(n, 256)
 
 
+def q4_k(blocks: np.ndarray) -> np.ndarray:
+    n = blocks.shape[0]
+    q = _nibbles(blocks[:, 16:].reshape(n, 4, 32), np.empty((n, 4, 2, 32), np.uint8))
+    return _scale_min_k(blocks, q.reshape(n, 8, 32))
+
+
 def q5_k(blocks: np.ndarray) -> np.ndarray:
     n = blocks.shape[0]
-    d = _fp16(blocks[:, 0:2])
-    dmin = _fp16(blocks[:, 2:4])
-    sc, m = GGUF_Q4_K.get_scale_min(blocks[:, 4:16])
-    d = (d * sc.astype(_F32)).reshape(n, 8, 1)
-    dm = (dmin * m.astype(_F32)).reshape(n, 8, 1)
     q = _nibbles(blocks[:, 48:].reshape(n, 4, 32), np.empty((n, 4, 2, 32), np.uint8))
     q = q.reshape(n, 8, 32)
     # sub-block j's fifth bits are bit j of each of the 32 qh bytes
     high = _shifted(blocks[:, 16:48], range(8), 0x01, np.empty((n, 8, 32), np.uint8))
     high <<= 4
     q |= high
-    values = q.astype(_F32)
-    values *= d
-    values -= dm
-    return values.reshape(n, 256)
+    return _scale_min_k(blocks, q)
 
 
 def q6_k(blocks: np.ndarray) -> np.ndarray:
