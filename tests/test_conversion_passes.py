@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 import coremltools as ct
@@ -264,6 +265,19 @@ def _small_program():
     return prog
 
 
+def _on_backend_writer(monkeypatch: pytest.MonkeyPatch, record: Callable[[], object]) -> list:
+    """What `record()` says each time coremltools' backend writer (load.py) is entered."""
+    records: list = []
+    load = backend_load.load
+
+    def entered(*args, **kwargs):
+        records.append(record())
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(backend_load, "load", entered)
+    return records
+
+
 def test_each_state_of_a_program_is_validated_once(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """save_package validates the program as built, after the main pipeline and after the
@@ -275,16 +289,9 @@ def test_each_state_of_a_program_is_validated_once(tmp_path: Path,
         seen.append(id(self))
         return validate(self, *args, **kwargs)
 
-    # the backend's writer (load.py) validates on its own afterwards: not counted here
-    at_backend: list[int] = []
-    load = backend_load.load
-
-    def backend(prog, *args, **kwargs):
-        at_backend.append(len(seen))
-        return load(prog, *args, **kwargs)
-
     monkeypatch.setattr(Program, "validate", counted)
-    monkeypatch.setattr(backend_load, "load", backend)
+    # the backend's writer (load.py) validates on its own afterwards: not counted here
+    at_backend = _on_backend_writer(monkeypatch, lambda: len(seen))
     programs.save_package(_small_program(), tmp_path / "p.mlpackage")
     assert at_backend == [3]
 
@@ -307,9 +314,8 @@ def test_a_pass_that_leaves_the_program_invalid_fails_the_save(
                         _UnlinkAConsumer())
     monkeypatch.setattr(conversion_passes, "CONVERSION_PASSES",
                         (*CONVERSION_PASSES, "ane_spec_test::unlink_a_consumer"))
-    reached: list[bool] = []   # coremltools' backend writer validates again on its own
-    load = backend_load.load
-    monkeypatch.setattr(backend_load, "load", lambda *a, **k: reached.append(True) or load(*a, **k))
+    # coremltools' backend writer validates again on its own
+    reached = _on_backend_writer(monkeypatch, lambda: True)
     with pytest.raises(Exception, match="should be consumed"):
         programs.save_package(_small_program(), tmp_path / "p.mlpackage")
     assert not reached

@@ -1,10 +1,11 @@
 """GGUF tensor types: every block type as gguf-py's own dequantization reads it, Q8_0 as views.
 
 `dequantize_rows` hands whole rows of blocks to `gguf.quants.dequantize`, the code llama.cpp's
-own Python tools use, so a K-quant or IQ file reads as llama.cpp defines it; the types of a
-Q4_K_M file (and Q4_0, Q4_1) go through `block_dequant.py` instead, which gives gguf-py's
-values bit for bit ~3x faster. The callers bound the work (a chunk of rows at a time); gguf-py
-itself works through 16 rows at a time, so its temporaries stay a few times one chunk.
+own Python tools use, so a K-quant or IQ file reads as llama.cpp defines it; the types in
+`block_dequant.DEQUANTIZERS` (those of Q4_K_M, Q5_K_M, Q3_K_M, Q2_K and older Q4/Q5 files) go
+through it instead, which gives gguf-py's values bit for bit ~3x faster. The callers bound
+the work (a chunk of rows at a time); gguf-py itself works through 16 rows at a time, so its
+temporaries stay a few times one chunk.
 
 A Q8_0 row of n values is n/32 blocks of 34 bytes: an fp16 scale `d` then 32 int8 `qs`, and
 value = d * qs[j]. Viewing the raw bytes through a structured dtype gives the scales and the
