@@ -12,12 +12,11 @@ import hashlib
 import math
 import mmap
 import os
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import xxhash
@@ -317,7 +316,7 @@ class GGUFModel:
         """Every tensor's elements, as Ollama counts a model's parameters."""
         return sum(math.prod(t.shape) for t in self.tensors.values())
 
-    def content_hashes(self, stop: threading.Event | None = None
+    def content_hashes(self, stop: StopFlag | None = None
                        ) -> tuple[str, dict[str, str]]:
         """sha256 of the whole file, and an XXH3-128 digest of each tensor's bytes, in one pass
         over the file.
@@ -375,6 +374,12 @@ class GGUFModel:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class StopFlag(Protocol):
+    """What content_hashes asks between blocks: a threading.Event, or any flag like it."""
+
+    def is_set(self) -> bool: ...
 
 
 class HashingStopped(Exception):

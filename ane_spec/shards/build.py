@@ -75,6 +75,7 @@ from ane_spec.manifests.residual_report import describe as describe_residual_sca
 from ane_spec.manifests.store import file_ref, hash_path, load_manifest, write_manifest
 from ane_spec.model.config import ModelConfig
 from ane_spec.model.gguf_file import GGUFModel, open_gguf
+from ane_spec.model.hash_process import Hashes, HashesAhead
 from ane_spec.model.swa_ring import kv_state_bytes, ring_rows, uses_ring
 from ane_spec.shards.embeddings import write_embeddings
 from ane_spec.shards.frozen_heap import freeze_more, frozen_heap
@@ -191,12 +192,15 @@ class BuildResult:
 def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
           request: BuildRequest = BuildRequest(), *, force: bool = False,
           progress: Progress | None = None, variant: GraphVariant = CORRECT,
-          calibrate_aside: bool | None = None) -> BuildResult:
+          calibrate_aside: bool | None = None,
+          hashes_ahead: HashesAhead | None = None) -> BuildResult:
     """Build all artifacts for `gguf_path` into `out_dir` (see module docstring).
 
     `variant` exists only for the gates' tests, which need deliberately broken builds.
     `calibrate_aside`: decide the residual scale beside the first shard's conversion (True),
     before it (False), or by the model's size (None: scale_aside.py).
+    `hashes_ahead`: the file's hashes, being taken by a child process the caller started
+    before importing this module (hash_process.py); the caller closes it.
     """
     started = time.monotonic()
     if variant.mask_form not in (CORRECT.mask_form, request.mask_form):
@@ -234,7 +238,7 @@ def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
                 with _sigbus_ends_build(model.path, out, litter=(tmp, lock.path)), \
                         frozen_heap(), reused_weight_memory():
                     result = _build_into(model, request, ranges, head_plan, out, tmp, say,
-                                         variant, calibrate_aside)
+                                         variant, calibrate_aside, hashes_ahead)
                     model.check_unchanged()
                 swap_into_place(tmp, out)
             except BaseException as exc:
@@ -272,16 +276,20 @@ def _drop_hidden_tracebacks(exc: BaseException) -> None:
 
 def _build_into(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int, int]],
                 head_plan: list[tuple[int, int]], out: Path, tmp: Path, say: Progress,
-                variant: GraphVariant, calibrate_aside: bool | None) -> BuildResult:
+                variant: GraphVariant, calibrate_aside: bool | None,
+                hashes_ahead: HashesAhead | None) -> BuildResult:
     with contextlib.ExitStack() as aside:
         pending = aside.enter_context(
             scale_aside.start(model, request.residual_scale, say, calibrate_aside))
         # With nothing to reuse, the hashes are first needed for the first shard's fingerprint:
-        # beside a calibration (a large model), a second helper takes them meanwhile.
+        # beside a calibration (a large model), a second helper takes them meanwhile, unless a
+        # child process has been taking them since before the imports.
         previous, hashing = _previous_build(out), None
-        if pending.aside and previous is None:
+        if hashes_ahead is not None:
+            hashing = functools.partial(hashes_ahead.hashes_for, model, say)
+        elif pending.aside and previous is None:
             say(f"hashing {model.path.name} beside the conversion")
-            hashing = aside.enter_context(HashAside(model))
+            hashing = aside.enter_context(HashAside(model)).result
         finishing = aside.enter_context(FinishAside())
         return _build_with(model, request, ranges, head_plan, out, tmp, say, variant, pending,
                            previous, hashing, finishing)
@@ -290,7 +298,7 @@ def _build_into(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
 def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int, int]],
                 head_plan: list[tuple[int, int]], out: Path, tmp: Path, say: Progress,
                 variant: GraphVariant, pending: scale_aside.PendingScale,
-                previous: PreviousBuild | None, hashing: HashAside | None,
+                previous: PreviousBuild | None, hashing: Callable[[], Hashes] | None,
                 finishing: FinishAside) -> BuildResult:
     result = BuildResult(manifest_path=out / "manifest.json")
     options = _options(request, ranges, model.config)
@@ -301,7 +309,7 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
         nonlocal hashes
         if hashes is None:
             if hashing is not None:
-                hashes = hashing.result()
+                hashes = hashing()
             else:
                 say(f"hashing {model.path.name}")
                 hashes = model.content_hashes()

@@ -14,8 +14,7 @@ import threading
 from concurrent.futures import Future
 
 from ane_spec.model.gguf_file import GGUFModel, HashingStopped
-
-Hashes = tuple[str, dict[str, str]]
+from ane_spec.model.hash_process import Hashes
 
 
 class HashAside:
