@@ -351,3 +351,40 @@ def test_a_file_discarded_while_finishing_stops_and_says_so(
     assert len(lengths) <= 1
     with pytest.raises(OSError):
         os.fstat(fd)
+
+
+def test_the_file_hashed_from_memory_is_the_file_on_disk(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """hash_into feeds the hash the finished file's bytes (the header with its final count
+    first) without reading it, lets go of the views as it goes, and is asked once, after
+    finish_later; store.hash_path takes it in place of the file's read."""
+    import hashlib
+
+    from ane_spec.manifests.store import hash_path
+
+    stage = 1 << 16
+    monkeypatch.setattr(direct_file, "STAGE_BYTES", stage)
+    path = tmp_path / "pkg" / "weights" / "weight.bin"
+    path.parent.mkdir(parents=True)
+    (tmp_path / "pkg" / "model.mlmodel").write_bytes(b"spec")
+    ours = BlobFileWriter(str(path))
+    blobs = _arrays(stage)
+    for method, a in blobs:
+        getattr(ours, method)(a)
+    with pytest.raises(ValueError, match="needs a finishing file"):
+        ours.hash_into(hashlib.sha256())
+    done = ours.finish_later()
+    known = {str(path.resolve()): ours.hash_into}
+    got = hash_path(tmp_path / "pkg", known=known)
+    done.result()
+    assert got == hash_path(tmp_path / "pkg") == hash_path(tmp_path / "pkg", uncached=True)
+    h = hashlib.sha256()
+    with pytest.raises(ValueError, match="once"):
+        ours.hash_into(h)
+    alone = BlobFileWriter(str(tmp_path / "alone.bin"))
+    for method, a in blobs:
+        getattr(alone, method)(a)
+    done = alone.finish_later()
+    n = alone.hash_into(h)
+    done.result()
+    assert (n, h.hexdigest()) == hash_path(tmp_path / "alone.bin")

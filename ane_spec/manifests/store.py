@@ -17,6 +17,7 @@ import math
 import mmap
 import os
 import stat
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,12 +101,16 @@ def _walk_files(root: Path) -> list[tuple[tuple[str, ...], Path]]:
     return sorted(files)
 
 
-def hash_path(path: Path, *, uncached: bool = False) -> tuple[int, str]:
+def hash_path(path: Path, *, uncached: bool = False,
+              known: Mapping[str, Callable[["hashlib._Hash"], int]] | None = None
+              ) -> tuple[int, str]:
     """(bytes, sha256) of a file, or of a folder (an .mlpackage) as its sorted relative paths
     and contents, so renaming or editing any file inside changes the hash.
 
     `uncached`: read past the page cache where the OS allows it (O_DIRECT), for files just
-    written past it that nothing else will read here (the build's packages, blob_file.py)."""
+    written past it that nothing else will read here (the build's packages, blob_file.py).
+    `known`: files (by absolute path) whose contents a function feeds to the hash instead, and
+    counts (a weight file hashed from the memory it is being written from)."""
     h = hashlib.sha256()
     total = 0
     if stat.S_ISDIR(os.lstat(path).st_mode):
@@ -118,6 +123,10 @@ def hash_path(path: Path, *, uncached: bool = False) -> tuple[int, str]:
     try:
         for name, f in files:
             h.update(name)
+            feed = (known or {}).get(os.path.abspath(f))
+            if feed is not None:
+                total += feed(h)
+                continue
             with open_regular(f) as fh:
                 if buffers is not None and set_direct_io(fh.fileno(), True):
                     total += _hash_direct(fh.fileno(), buffers, h)
@@ -160,8 +169,9 @@ def _read_direct(fd: int, buffer: mmap.mmap) -> int:
             set_direct_io(fd, False)
 
 
-def file_ref(root: Path, path: Path, *, uncached: bool = False) -> FileRef:
-    size, digest = hash_path(path, uncached=uncached)
+def file_ref(root: Path, path: Path, *, uncached: bool = False,
+             known: Mapping[str, Callable[["hashlib._Hash"], int]] | None = None) -> FileRef:
+    size, digest = hash_path(path, uncached=uncached, known=known)
     return FileRef(path=path.relative_to(root).as_posix(), bytes=size, sha256=digest)
 
 

@@ -12,6 +12,7 @@ place, through the cache.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from concurrent.futures import Future
@@ -53,6 +54,10 @@ class BlobFileWriter:
         self._file = DirectFile(file_name, direct=direct)
         self._count = 0
         self._file.append(_HEADER.pack(0, _VERSION, *[0] * 7))   # its count: at the finish
+        # What follows the header, in file order (the data as the views written from), so the
+        # file's hash needs no read of it: `hash_into`.
+        self._pieces: list[bytes | memoryview] | None = []
+        self._header: bytes | None = None   # the finished file's, once `finish_later` made it
 
     @property
     def direct(self) -> bool:
@@ -69,10 +74,14 @@ class BlobFileWriter:
         flat = np.ascontiguousarray(data).reshape(-1)
         end = self._file.size
         metadata_at = -(-end // ALIGNMENT) * ALIGNMENT
-        self._file.append(bytes(metadata_at - end))
-        self._file.append(_METADATA.pack(_SENTINEL, code, flat.nbytes,
-                                         metadata_at + _METADATA.size, 0, *[0] * 4))
+        pieces = (bytes(metadata_at - end),
+                  _METADATA.pack(_SENTINEL, code, flat.nbytes, metadata_at + _METADATA.size, 0,
+                                 *[0] * 4))
+        for piece in pieces:
+            self._file.append(piece)
         self._file.append(memoryview(flat), borrowed=True)
+        if self._pieces is not None:
+            self._pieces += [*pieces, memoryview(flat)]
         self._count += 1
         return metadata_at
 
@@ -98,7 +107,7 @@ class BlobFileWriter:
         """Finish the file in the writer's thread: what is queued, then the header with the
         blob count, written through a descriptor of its own, so the file may be renamed or
         moved within its filesystem meanwhile. The future ends when the file is whole."""
-        header = _HEADER.pack(self._count, _VERSION, *[0] * 7)
+        header = self._header = _HEADER.pack(self._count, _VERSION, *[0] * 7)
         fd = os.open(self.path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             done = self._file.finish_later(lambda: _write_all_at(fd, header, 0))
@@ -108,8 +117,31 @@ class BlobFileWriter:
         done.add_done_callback(lambda _: os.close(fd))
         return done
 
+    def hash_into(self, h: "hashlib._Hash") -> int:
+        """Feed the finished file's bytes to `h` from the memory they are written from, not
+        from the disk; returns their count. Once `finish_later` has been called (the header's
+        count is final), and once only: the views are let go of here, so the weights they
+        show can be freed as soon as their writes are done too."""
+        if self._header is None or self._pieces is None:
+            raise ValueError(f"{self.path}: hash_into needs a finishing file, once")
+        pieces, self._pieces = self._pieces, None
+        h.update(self._header)
+        total = len(self._header)
+        # In file order, each let go of once hashed: the next shard's conversion, which asks
+        # for buffers in about that order, gets them back as soon as they are written too.
+        pieces.reverse()
+        while pieces:
+            piece = pieces.pop()
+            h.update(piece)
+            total += len(piece) if isinstance(piece, bytes) else piece.nbytes
+            del piece
+        if total != self._file.size:   # every append is a piece: a bug, never the disk
+            raise AssertionError(f"{self.path}: {total} bytes hashed of {self._file.size}")
+        return total
+
     def discard(self) -> None:
         """Close without finishing the file (a conversion that failed part-way)."""
+        self._pieces = None
         self._file.discard()
 
 
