@@ -138,17 +138,19 @@ def cmd_synth(args: argparse.Namespace) -> int:
 def cmd_build(args: argparse.Namespace) -> int:
     from ane_spec.model.hash_process import start_if_worth_it
 
+    tuned = _tuned_options(args)   # a bad --tuned file is named before the model is looked up
     gguf = _model_path(args.gguf)
     # Before the imports below (~3 s of one core): a child hashes the file on the other.
     ahead = start_if_worth_it(gguf)
     try:
-        return _build(args, gguf, ahead)
+        return _build(args, gguf, tuned, ahead)
     finally:
         if ahead is not None:
             ahead.close()
 
 
-def _build(args: argparse.Namespace, gguf: Path, hashes_ahead: HashesAhead | None) -> int:
+def _build(args: argparse.Namespace, gguf: Path, tuned: dict,
+           hashes_ahead: HashesAhead | None) -> int:
     from tqdm import tqdm
 
     from ane_spec.shards.build import BuildRequest, build
@@ -160,7 +162,7 @@ def _build(args: argparse.Namespace, gguf: Path, hashes_ahead: HashesAhead | Non
                            min_weight_cosine=args.min_weight_cosine,
                            residual_scale=args.residual_scale,
                            force_ane_limits=args.force_ane_limits,
-                           swa_ring=not args.no_swa_ring, **_tuned_options(args))
+                           swa_ring=not args.no_swa_ring, **tuned)
     result = build(gguf, args.out, request, force=args.force, hashes_ahead=hashes_ahead,
                    progress=lambda msg: tqdm.write(f"[build] {msg}", file=sys.stderr))
     for line in result.summary:
