@@ -25,7 +25,6 @@ import json
 import os
 import subprocess
 import sys
-
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated
 

@@ -302,10 +302,10 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
                 finishing: FinishAside) -> BuildResult:
     result = BuildResult(manifest_path=out / "manifest.json")
     options = _options(request, ranges, model.config)
-    hashes: tuple[str, dict[str, str]] | None = None
+    hashes: Hashes | None = None
     residual: ResidualScale | None = None
 
-    def hashed() -> tuple[str, dict[str, str]]:
+    def hashed() -> Hashes:
         nonlocal hashes
         if hashes is None:
             if hashing is not None:
