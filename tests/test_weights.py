@@ -95,3 +95,30 @@ def test_requantizing_in_threads_gives_the_serial_bits(tiny_gguf: Path,
     q, s = W._requantize_q8_0_rows(t, index, W._CosineAccumulator())
     np.testing.assert_array_equal(results[1][0], q)
     np.testing.assert_array_equal(results[1][1], s)
+
+
+class _Q8Blocks:
+    """What `_requantize_q8_0_rows` reads of a GGUF tensor: its name and its Q8_0 blocks."""
+
+    def __init__(self, qs: np.ndarray, d: np.ndarray):
+        self.name, self._qs, self._d = "tiny-scales", qs, d
+
+    def q8_0(self) -> tuple[np.ndarray, np.ndarray]:
+        return self._qs, self._d
+
+
+def test_rows_whose_fp16_scale_is_subnormal_are_kept_within_int8() -> None:
+    """Rounding needs no clamp while a row's fp16 scale is normal (weights.py says why); rows
+    of tiny weights get subnormal scales, whose rounding can put |q| past 127: those are
+    clamped, as numpy's reference clips them."""
+    rng = np.random.default_rng(7)
+    qs = rng.integers(-127, 128, (64, 4, 32), dtype=np.int8)
+    d = (rng.uniform(0.5, 1.0, (64, 4)) * 2.0 ** -20).astype(np.float16)
+    d32 = d.astype(np.float32)
+    original = (qs * d32[..., None]).reshape(64, -1)
+    s32 = (np.abs(original).max(axis=1, keepdims=True) / 127.0).astype(np.float16).astype(np.float32)
+    assert (s32 < 2.0 ** -14).all()   # subnormal in fp16
+    unclamped = np.rint((qs * (d32 / s32)[..., None]).reshape(64, -1))
+    assert np.abs(unclamped).max() > 127   # the case the clamp is for
+    q, _ = W._requantize_q8_0_rows(_Q8Blocks(qs, d), np.arange(64), W._CosineAccumulator())
+    np.testing.assert_array_equal(q, np.clip(unclamped, -127, 127).astype(np.int8))
