@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ from gguf.quants import quantize as gguf_quantize
 
 from ane_spec.errors import GGUFError
 from ane_spec.model.gguf_file import open_gguf
+from ane_spec.model.gguf_format import _Cursor
 from ane_spec.model.quant import q8_0_quantize
 from ane_spec.model.synthetic import preset, write_synthetic_gguf
 from tests.gguf_edit import rewrite_gguf
@@ -232,3 +234,21 @@ def test_content_hashes_identify_the_file_and_each_tensor(tiny_gguf: Path, tmp_p
     whole2, per_tensor2 = open_gguf(edited).content_hashes()
     assert whole2 != whole
     assert {n for n in per_tensor if per_tensor[n] != per_tensor2[n]} == {t.name}
+
+
+def test_string_arrays_read_as_their_strings_one_by_one_do() -> None:
+    """A vocabulary array is read in one loop (`_Cursor._strings`); it gives what reading each
+    string does, invalid UTF-8 kept as `string` keeps it, and the same error where the file
+    ends inside the array."""
+    items = [b"plain", "R\u00e9sum\u00e9 \u6771\u4eac".encode(), b"\xff\xfe not utf-8", b""]
+    raw = b"".join(struct.pack("<Q", len(s)) + s for s in items) + b"rest"
+    one_by_one = _Cursor(raw, "f.gguf")
+    assert _Cursor(raw, "f.gguf")._strings(len(items)) == [one_by_one.string() for _ in items]
+    for cut in (8 + 2, 5, 8 + 5 + 4):   # inside a string, inside a length, a length cut short
+        errors = []
+        for read in (lambda c: c._strings(len(items)),
+                     lambda c: [c.string() for _ in items]):
+            with pytest.raises(GGUFError) as exc:
+                read(_Cursor(raw[:cut], "f.gguf"))
+            errors.append(str(exc.value))
+        assert errors[0] == errors[1] and "truncated" in errors[0]
