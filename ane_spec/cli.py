@@ -153,7 +153,10 @@ def _build(args: argparse.Namespace, gguf: Path, tuned: dict,
            hashes_ahead: HashesAhead | None) -> int:
     from tqdm import tqdm
 
-    from ane_spec.shards.build import BuildRequest, build
+    from ane_spec.shards.frozen_heap import collector_paused
+
+    with collector_paused():
+        from ane_spec.shards.build import BuildRequest, build
 
     request = BuildRequest(topology=args.topology, max_seq=args.max_seq, weights=args.weights,
                            head_chunks=args.head_chunks,
