@@ -82,6 +82,7 @@ def test_requantizing_in_threads_gives_the_serial_bits(tiny_gguf: Path,
     t = open_gguf(tiny_gguf).tensor("blk.0.ffn_up.weight")
     index = np.arange(t.shape[0])
     results = []
+    monkeypatch.setattr(W.os, "cpu_count", lambda: 8)   # five threads, whatever this machine has
     for threads in (1, 5):
         monkeypatch.setattr(W, "REQUANT_THREADS", threads)
         data = np.empty(t.shape, np.int8)
@@ -122,3 +123,15 @@ def test_rows_whose_fp16_scale_is_subnormal_are_kept_within_int8() -> None:
     assert np.abs(unclamped).max() > 127   # the case the clamp is for
     q, _ = W._requantize_q8_0_rows(_Q8Blocks(qs, d), np.arange(64), W._CosineAccumulator())
     np.testing.assert_array_equal(q, np.clip(unclamped, -127, 127).astype(np.int8))
+
+
+def test_the_requantization_leaves_a_taken_core_to_the_work_beside_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(W.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(W, "REQUANT_THREADS", 2)
+    assert W.requant_threads() == 2
+    with W.core_taken():
+        assert W.requant_threads() == 1
+        with W.core_taken():
+            assert W.requant_threads() == 1   # never fewer than one
+    assert W.requant_threads() == 2

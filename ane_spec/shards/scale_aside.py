@@ -20,8 +20,10 @@ counts in the build's own peak RSS.
 Threads: while the building thread converts, torch computes the calibration on one thread. An
 OpenMP team of two sharing a core with the conversion spends its time at barriers waiting for
 the member that is not running (on this 2-core machine under load, a 2-thread calibration of
-Qwen2.5-Coder-0.5B took 43.6 CPU seconds, a 1-thread one 11.1). Once the building thread waits
-for k, the calibration takes the thread count torch had (`checkpoint`, between layers).
+Qwen2.5-Coder-0.5B took 43.6 CPU seconds, a 1-thread one 11.1), and the calibration holds its
+core (`weights.core_taken`), so the conversion's requantization runs on the others. Once the
+building thread waits for k, the calibration takes the thread count torch had (`checkpoint`,
+between layers).
 
 The decision is the serial one: the same function (`residual_scale.calibrate`) on the same
 inputs. MKL gives each row of a matmul the same bits on one thread or two (checked on every
@@ -49,6 +51,7 @@ from ane_spec.manifests.schema import ResidualScale
 from ane_spec.model.activation_range import ActivationRanges, CalibrationStopped
 from ane_spec.model.gguf_file import GGUFModel
 from ane_spec.shards.residual_scale import calibrate, parse_residual_scale, record
+from ane_spec.shards.weights import core_taken
 
 Progress = Callable[[str], None]
 
@@ -141,7 +144,8 @@ class PendingScale:
                 torch.set_num_threads(full)   # the building thread's core is free now
 
         try:
-            ranges = calibrate(self._model, self._setting, self._messages.put, checkpoint)
+            with core_taken():
+                ranges = calibrate(self._model, self._setting, self._messages.put, checkpoint)
         except BaseException as exc:  # noqa: BLE001 - raised in the building thread
             self._future.set_exception(exc)
         else:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,6 +47,9 @@ from ane_spec.shards import weight_memory
 # Threads that requantize a Q8_0 matrix's row chunks at once: each holds a few chunk-sized
 # float32 temporaries (~16 MB each), and past a few the memory bus, not the cores, bounds them.
 REQUANT_THREADS = max(1, min(4, os.cpu_count() or 1))
+# Cores that work beside the conversion holds (`core_taken`): the requantization leaves them.
+_cores_taken = 0
+_cores_lock = threading.Lock()
 # Values per row chunk of a Q8_0 requantization (2 MB of float32): its five passes over the
 # chunk then stay in the core's caches instead of streaming 16 MB to memory and back five
 # times. Real-size Phi-4-mini layers here: 0.21 s a layer at 16 MB chunks, 0.15-0.18 s at 2 MB
@@ -288,14 +292,39 @@ def _requantize_q8_0_parallel(t: Tensor, index: np.ndarray, step: int, data: np.
         with _one_torch_thread():
             _, scale[r0:r1] = _requantize_q8_0_rows(t, index[r0:r1], sums[n], out=data[r0:r1])
 
-    if len(starts) == 1 or REQUANT_THREADS == 1:
+    threads = requant_threads()
+    if len(starts) == 1 or threads == 1:
         for n in range(len(starts)):
             chunk(n)
     else:
-        with ThreadPoolExecutor(REQUANT_THREADS, thread_name_prefix="requantize") as pool:
+        with ThreadPoolExecutor(threads, thread_name_prefix="requantize") as pool:
             list(pool.map(chunk, range(len(starts))))   # re-raises a chunk's error here
     for part in sums:
         agreement.merge(part)
+
+
+def requant_threads() -> int:
+    """REQUANT_THREADS, less the cores work beside the conversion holds (at least one)."""
+    with _cores_lock:
+        spare = (os.cpu_count() or 1) - _cores_taken
+    return max(1, min(REQUANT_THREADS, spare))
+
+
+@contextlib.contextmanager
+def core_taken() -> Iterator[None]:
+    """Work that keeps a core busy beside the conversion (the residual scale's calibration,
+    scale_aside.py) holds it for the block: the requantization then runs on the cores left.
+    Three compute threads on two cores took turns on each core's cache: a Phi-4-mini build's
+    requantization and calibration together cost ~2 CPU s more than with one requantization
+    thread beside the calibration (seven alternating pairs, median 35.7 against 33.5 CPU s)."""
+    global _cores_taken
+    with _cores_lock:
+        _cores_taken += 1
+    try:
+        yield
+    finally:
+        with _cores_lock:
+            _cores_taken -= 1
 
 
 @contextlib.contextmanager
