@@ -23,9 +23,20 @@ def test_q8_0_fast_path_matches_generic_requantization(tiny_gguf: Path) -> None:
     assert abs(fast_acc.cosine() - slow_acc.cosine()) < 1e-7
 
 
-def test_q8_0_requantization_takes_numpys_int8_times_float32_products(tiny_gguf: Path) -> None:
+@pytest.fixture(params=["torch", "numpy"])
+def arithmetic(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The requantization's elementwise ops as torch does them, or as numpy does without the
+    `reference` extra."""
+    if request.param == "numpy":
+        monkeypatch.setattr(W, "torch", None)
+    return request.param
+
+
+def test_q8_0_requantization_takes_numpys_int8_times_float32_products(
+        tiny_gguf: Path, arithmetic: str) -> None:
     """The fast path casts the int8 values once and multiplies the cast: the values, scales,
-    int8 rows and cosine sums are those of numpy's int8 * float32 products, bit for bit."""
+    int8 rows and cosine sums are those of numpy's int8 * float32 products, bit for bit, with
+    torch's ops or numpy's."""
     t = open_gguf(tiny_gguf).tensor("blk.0.ffn_up.weight")
     assert t.is_q8_0
     qs, d = t.q8_0()
@@ -108,7 +119,7 @@ class _Q8Blocks:
         return self._qs, self._d
 
 
-def test_rows_whose_fp16_scale_is_subnormal_are_kept_within_int8() -> None:
+def test_rows_whose_fp16_scale_is_subnormal_are_kept_within_int8(arithmetic: str) -> None:
     """Rounding needs no clamp while a row's fp16 scale is normal (weights.py says why); rows
     of tiny weights get subnormal scales, whose rounding can put |q| past 127: those are
     clamped, as numpy's reference clips them."""
@@ -135,3 +146,14 @@ def test_the_requantization_leaves_a_taken_core_to_the_work_beside_it(
         with W.core_taken():
             assert W.requant_threads() == 1   # never fewer than one
     assert W.requant_threads() == 2
+
+
+def test_row_dots_without_numpys_vecdot_are_einsums(monkeypatch: pytest.MonkeyPatch) -> None:
+    """numpy before 2.0 has no vecdot: the cosine's row dots are einsum's, to float32's
+    rounding the same."""
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((2, 37, 300)).astype(np.float32)
+    blas = W._row_dots(a, b)
+    monkeypatch.delattr(np, "vecdot", raising=False)
+    np.testing.assert_allclose(W._row_dots(a, b), blas, rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(W._row_dots(a, b), np.einsum("ij,ij->i", a, b))

@@ -37,7 +37,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
-import torch
+
+try:  # the `reference` extra; without it numpy does the same arithmetic, ~25% slower
+    import torch
+except ImportError:
+    torch = None  # type: ignore[assignment]
 
 from ane_spec.errors import BuildError, untrusted
 from ane_spec.model.gguf_file import Tensor
@@ -332,7 +336,7 @@ def _one_torch_thread() -> Iterator[None]:
     """torch's ops on one thread in this one: the chunks are the parallelism, and an OpenMP
     team per op beside them would only wait at its barriers. Set per thread (OpenMP's nthreads
     ICV) and put back, so other threads keep their count; left alone where it is already 1."""
-    threads = torch.get_num_threads()
+    threads = 1 if torch is None else torch.get_num_threads()
     if threads == 1:
         yield
         return
@@ -397,15 +401,15 @@ def _requantize_q8_0_rows(t: Tensor, idx: np.ndarray, agreement: "_CosineAccumul
     # once, and both products taken from the cast: numpy's int8 * float32 casts inside each
     # multiply, and the cast was most of it (the same values, bit for bit; a third less time
     # for the two). Exact: 8 x 11 bits < 24.
-    # The per-block products, the rounding and the cast to int8 are torch's: numpy broadcasts
-    # a block's scale over its 32 values an inner loop at a time (118 us on a 2 MB chunk here,
-    # torch 51), and rounds and casts ~30% slower. The same IEEE float32 products, rounding
-    # half to even (np.rint's) and exact casts: the same bits (tests/test_weights.py).
+    # The per-block products, the rounding and the cast to int8 are torch's where it is
+    # installed (`_times_block_scales`, `_round_in_place`, `_cast_into`): numpy broadcasts a
+    # block's scale over its 32 values an inner loop at a time (118 us on a 2 MB chunk here,
+    # torch 51), and rounds and casts ~30% slower. The same IEEE float32 products, rounding half
+    # to even (np.rint's) and exact casts: the same bits either way (tests/test_weights.py).
     qf = weight_memory.scratch(qs.shape, np.float32)
     np.copyto(qf, qs, casting="unsafe")
     original = weight_memory.scratch(qs.shape, np.float32)
-    qf_t = torch.from_numpy(qf)
-    torch.mul(qf_t, torch.from_numpy(d32).unsqueeze(-1), out=torch.from_numpy(original))
+    _times_block_scales(qf, d32, original)
     original = original.reshape(n, -1)
     amax = np.maximum(original.max(axis=1), -original.min(axis=1))[:, None]
     with np.errstate(over="ignore"):
@@ -413,21 +417,47 @@ def _requantize_q8_0_rows(t: Tensor, idx: np.ndarray, agreement: "_CosineAccumul
     require_finite(t.name, s16, int(idx[0]), " (int8 scales beyond the fp16 range)")
     s32 = s16.astype(np.float32)
     # Quantize against the fp16 scale actually stored, so the rounding matches what runs.
-    qf_t.mul_(torch.from_numpy(d32 / s32).unsqueeze(-1))
-    qf_t.round_()
+    _times_block_scales(qf, d32 / s32, qf)
+    _round_in_place(qf)
     # s is amax / 127 rounded to fp16 (relative error <= 2^-11 while it is normal), so
     # |qs * d / s| <= 127 / (1 - 2^-11) + float32's rounding < 127.5: the rounded values
     # already lie in [-127, 127]. A subnormal scale has no such bound.
     if not bool((s16 >= _FP16_SMALLEST_NORMAL).all()):
-        qf_t.clamp_(-127, 127)
+        np.clip(qf, -127, 127, out=qf)
     qf = qf.reshape(n, -1)
     if out is None:
         q = qf.astype(np.int8)
     else:
         q = out
-        torch.from_numpy(q).copy_(qf_t.reshape(n, -1))
+        _cast_into(qf, q)   # integral values in [-127, 127]: exact
     agreement.add_scaled(original, qf, s32[:, 0])
     return q, s16
+
+
+def _times_block_scales(values: np.ndarray, scales: np.ndarray, out: np.ndarray) -> None:
+    """out = values * scales[..., None]: blocks `[rows, nb, 32]` by one scale each `[rows, nb]`
+    (`out` may be `values`)."""
+    if torch is None:
+        np.multiply(values, scales[..., None], out=out)
+    else:
+        torch.mul(torch.from_numpy(values), torch.from_numpy(scales).unsqueeze(-1),
+                  out=torch.from_numpy(out))
+
+
+def _round_in_place(values: np.ndarray) -> None:
+    """Round half to even, as np.rint."""
+    if torch is None:
+        np.rint(values, out=values)
+    else:
+        torch.from_numpy(values).round_()
+
+
+def _cast_into(values: np.ndarray, out: np.ndarray) -> None:
+    """`values` cast into `out`'s dtype, in place (C's conversion: exact for integral values)."""
+    if torch is None:
+        np.copyto(out, values, casting="unsafe")
+    else:
+        torch.from_numpy(out).copy_(torch.from_numpy(values))
 
 
 def _convert_float_rows(t: Tensor, idx: np.ndarray, fmt: StoredFormat,
@@ -561,9 +591,16 @@ def fit_lut(values: np.ndarray, steps: int = LUT_KMEANS_STEPS) -> tuple[np.ndarr
     return indices, lut
 
 
+def _row_dots(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Each row's dot product `[rows]` of float32 rows `[rows, n]`: BLAS's (`np.vecdot`, numpy
+    2.0 on), else einsum's."""
+    vecdot = getattr(np, "vecdot", None)
+    return vecdot(a, b) if vecdot is not None else np.einsum("ij,ij->i", a, b)
+
+
 class _CosineAccumulator:
-    """cos(a, b) over many row chunks. Each row's dot is taken in float32 by BLAS (`np.vecdot`:
-    several SIMD partial sums, 40% faster here than einsum's row dots) and the row sums are
+    """cos(a, b) over many row chunks. Each row's dot is taken in float32 (`_row_dots`: BLAS's
+    several SIMD partial sums, 40% faster here than einsum's) and the row sums are
     accumulated in float64: 1 - cos is ~1e-5, which one float32 sum over a matrix would blur."""
 
     def __init__(self) -> None:
@@ -572,7 +609,7 @@ class _CosineAccumulator:
     def add(self, a: np.ndarray, b: np.ndarray) -> None:
         # Row dots make no temporaries: the cosine costs less than the quantization.
         for attr, x, y in (("ab", a, b), ("aa", a, a), ("bb", b, b)):
-            rows = np.vecdot(x, y)
+            rows = _row_dots(x, y)
             setattr(self, attr, getattr(self, attr) + float(np.sum(rows, dtype=np.float64)))
 
     def merge(self, other: "_CosineAccumulator") -> None:
@@ -584,9 +621,9 @@ class _CosineAccumulator:
         """`add(a, q * scale[:, None])` without the product: each row's dots are taken in
         float32 and scaled in float64."""
         s = scale.astype(np.float64)
-        self.ab += float(s @ np.vecdot(a, q))
-        self.aa += float(np.sum(np.vecdot(a, a), dtype=np.float64))
-        self.bb += float((s * s) @ np.vecdot(q, q))
+        self.ab += float(s @ _row_dots(a, q))
+        self.aa += float(np.sum(_row_dots(a, a), dtype=np.float64))
+        self.bb += float((s * s) @ _row_dots(q, q))
 
     def cosine(self) -> float:
         denom = np.sqrt(self.aa * self.bb)
