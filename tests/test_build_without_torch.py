@@ -12,8 +12,8 @@ class NoTorch(importlib.abc.MetaPathFinder):
         if name == "torch" or name.startswith("torch."):
             raise ModuleNotFoundError(f"No module named {name!r}")
 sys.meta_path.insert(0, NoTorch())
-import ane_spec.shards.build, ane_spec.shards.weights, ane_spec.daemon.server
-assert ane_spec.shards.weights.torch is None and "torch" not in sys.modules
+import ane_spec.shards.build, ane_spec.shards.weights, ane_spec.model.quant, ane_spec.daemon.server
+assert ane_spec.model.quant.loaded_torch() is None and "torch" not in sys.modules
 print("imported")
 """
 

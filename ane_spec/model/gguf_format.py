@@ -106,13 +106,10 @@ class _Cursor:
         length_at = _U64.unpack_from
         out = []
         for _ in range(count):
-            if pos + 8 > end:
+            n = length_at(buf, pos)[0] if pos + 8 <= end else -1
+            if not 0 <= n <= end - pos - 8:   # the file ends inside its length or its bytes
                 self.pos = pos
                 return out + [self.string()]   # raises, naming the truncation
-            (n,) = length_at(buf, pos)
-            if n > end - pos - 8:
-                self.pos = pos
-                return out + [self.string()]
             pos += 8
             # Valid UTF-8 decodes the same either way; anything else is kept as `string` keeps it.
             out.append(str(buf[pos:pos + n], "utf-8", errors="surrogateescape"))

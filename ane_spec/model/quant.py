@@ -14,7 +14,9 @@ int8 values without copying anything out of the memmap.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -22,6 +24,9 @@ from gguf import quants as gguf_quants
 
 from ane_spec.errors import GGUFError
 from ane_spec.model.block_dequant import DEQUANTIZERS
+
+if TYPE_CHECKING:
+    from types import ModuleType
 
 FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16,
                          GGMLQuantizationType.BF16})
@@ -79,6 +84,27 @@ def q8_0_dequantize(qs: np.ndarray, scales: np.ndarray, dtype: np.dtype = np.flo
     # only full-size allocation is the result itself.
     np.multiply(qs, scales.astype(dtype)[..., None], out=out)
     return out.reshape(qs.shape[0], -1)
+
+
+def loaded_torch() -> "ModuleType | None":
+    """torch if this process has imported it, else None. The build has (coremltools imports
+    it, and the calibration runs on it); importing it for a faster elementwise op would cost
+    ~1 s wherever a GGUF is read (`inspect`, the hash child), and torch is the optional
+    `reference` extra."""
+    return sys.modules.get("torch")
+
+
+def times_block_scales(values: np.ndarray, scales: np.ndarray, out: np.ndarray) -> None:
+    """out = values * scales[..., None]: float32 blocks `[rows, nb, 32]` times one scale each
+    `[rows, nb]` (`out` may be `values`). torch's where loaded: numpy broadcasts a block's
+    scale over its 32 values an inner loop at a time (118 us on a 2 MB chunk here, torch 51).
+    The same IEEE float32 products either way, bit for bit."""
+    torch = loaded_torch()
+    if torch is None:
+        np.multiply(values, scales[..., None], out=out)
+    else:
+        torch.mul(torch.from_numpy(values), torch.from_numpy(scales).unsqueeze(-1),
+                  out=torch.from_numpy(out))
 
 
 def q8_0_quantize(values: np.ndarray) -> np.ndarray:

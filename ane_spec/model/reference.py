@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from ane_spec.errors import AneSpecError
 from ane_spec.model.gguf_file import GGUFModel, Tensor
+from ane_spec.model.quant import times_block_scales
 from ane_spec.model.rope import RopeSpec
 
 
@@ -419,10 +420,10 @@ class ReferenceModel:
 def _q8_0_rows_into(block: np.ndarray, qs: np.ndarray, d: np.ndarray) -> np.ndarray:
     """Q8_0 rows (blocked int8 `[rows, nb, 32]`, fp16 scales `[rows, nb]`) dequantized into the
     front of `block`, as `[rows, nb * 32]` float32: the int8 cast by numpy, then scaled in
-    place by torch, whose broadcast multiply is faster than numpy's (a third off a 2 MB block
-    here). The same values as quant.q8_0_dequantize, bit for bit: an exact cast, then one
+    place by `quant.times_block_scales` (torch's broadcast multiply, faster than numpy's). The
+    same values as quant.q8_0_dequantize, bit for bit: an exact cast, then one
     float32 product each."""
     values = block[:qs.size].reshape(qs.shape)
     np.copyto(values, qs, casting="unsafe")
-    torch.from_numpy(values).mul_(torch.from_numpy(d.astype(np.float32)).unsqueeze(-1))
+    times_block_scales(values, d.astype(np.float32), values)
     return values.reshape(qs.shape[0], -1)

@@ -38,14 +38,9 @@ from typing import Literal
 
 import numpy as np
 
-try:  # the `reference` extra; without it numpy does the same arithmetic, ~25% slower
-    import torch
-except ImportError:
-    torch = None  # type: ignore[assignment]
-
 from ane_spec.errors import BuildError, untrusted
 from ane_spec.model.gguf_file import Tensor
-from ane_spec.model.quant import q8_0_blocks, q8_0_quantize
+from ane_spec.model.quant import loaded_torch, q8_0_blocks, q8_0_quantize, times_block_scales
 from ane_spec.shards import weight_memory
 
 # Threads that requantize a Q8_0 matrix's row chunks at once: each holds a few chunk-sized
@@ -336,6 +331,7 @@ def _one_torch_thread() -> Iterator[None]:
     """torch's ops on one thread in this one: the chunks are the parallelism, and an OpenMP
     team per op beside them would only wait at its barriers. Set per thread (OpenMP's nthreads
     ICV) and put back, so other threads keep their count; left alone where it is already 1."""
+    torch = loaded_torch()
     threads = 1 if torch is None else torch.get_num_threads()
     if threads == 1:
         yield
@@ -402,14 +398,14 @@ def _requantize_q8_0_rows(t: Tensor, idx: np.ndarray, agreement: "_CosineAccumul
     # multiply, and the cast was most of it (the same values, bit for bit; a third less time
     # for the two). Exact: 8 x 11 bits < 24.
     # The per-block products, the rounding and the cast to int8 are torch's where it is
-    # installed (`_times_block_scales`, `_round_in_place`, `_cast_into`): numpy broadcasts a
-    # block's scale over its 32 values an inner loop at a time (118 us on a 2 MB chunk here,
-    # torch 51), and rounds and casts ~30% slower. The same IEEE float32 products, rounding half
-    # to even (np.rint's) and exact casts: the same bits either way (tests/test_weights.py).
+    # loaded (`quant.times_block_scales`, `_round_in_place`, `_cast_into`): numpy's
+    # broadcast multiply is ~2x slower on these shapes, its rounding and cast ~30%. The same
+    # IEEE float32 products, rounding half to even (np.rint's) and exact casts: the same bits
+    # either way (tests/test_weights.py).
     qf = weight_memory.scratch(qs.shape, np.float32)
     np.copyto(qf, qs, casting="unsafe")
     original = weight_memory.scratch(qs.shape, np.float32)
-    _times_block_scales(qf, d32, original)
+    times_block_scales(qf, d32, original)
     original = original.reshape(n, -1)
     amax = np.maximum(original.max(axis=1), -original.min(axis=1))[:, None]
     with np.errstate(over="ignore"):
@@ -417,7 +413,7 @@ def _requantize_q8_0_rows(t: Tensor, idx: np.ndarray, agreement: "_CosineAccumul
     require_finite(t.name, s16, int(idx[0]), " (int8 scales beyond the fp16 range)")
     s32 = s16.astype(np.float32)
     # Quantize against the fp16 scale actually stored, so the rounding matches what runs.
-    _times_block_scales(qf, d32 / s32, qf)
+    times_block_scales(qf, d32 / s32, qf)
     _round_in_place(qf)
     # s is amax / 127 rounded to fp16 (relative error <= 2^-11 while it is normal), so
     # |qs * d / s| <= 127 / (1 - 2^-11) + float32's rounding < 127.5: the rounded values
@@ -434,18 +430,9 @@ def _requantize_q8_0_rows(t: Tensor, idx: np.ndarray, agreement: "_CosineAccumul
     return q, s16
 
 
-def _times_block_scales(values: np.ndarray, scales: np.ndarray, out: np.ndarray) -> None:
-    """out = values * scales[..., None]: blocks `[rows, nb, 32]` by one scale each `[rows, nb]`
-    (`out` may be `values`)."""
-    if torch is None:
-        np.multiply(values, scales[..., None], out=out)
-    else:
-        torch.mul(torch.from_numpy(values), torch.from_numpy(scales).unsqueeze(-1),
-                  out=torch.from_numpy(out))
-
-
 def _round_in_place(values: np.ndarray) -> None:
     """Round half to even, as np.rint."""
+    torch = loaded_torch()
     if torch is None:
         np.rint(values, out=values)
     else:
@@ -454,6 +441,7 @@ def _round_in_place(values: np.ndarray) -> None:
 
 def _cast_into(values: np.ndarray, out: np.ndarray) -> None:
     """`values` cast into `out`'s dtype, in place (C's conversion: exact for integral values)."""
+    torch = loaded_torch()
     if torch is None:
         np.copyto(out, values, casting="unsafe")
     else:
