@@ -399,6 +399,55 @@ def test_pooled_memory_is_reused_and_changes_no_byte(tmp_path: Path,
     assert weight_memory._current is None
 
 
+def _huge_page_advised(array) -> bool:
+    """Whether the kernel was asked for huge pages for `array`'s memory (its mapping's VmFlags
+    hold "hg"). numpy advises from the page after the one its allocation starts on, which splits
+    the mapping: the array's second MB lies in the advised part. The arrays tested are 64 MB,
+    over glibc's largest mmap threshold (32 MB): each is a mapping of its own, never heap
+    memory an earlier array was advised in."""
+    import re
+
+    address = array.__array_interface__["data"][0] + (1 << 20)
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if m := re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line):
+            inside = int(m[1], 16) <= address < int(m[2], 16)
+        elif inside and line.startswith("VmFlags:"):
+            return "hg" in line.split()
+    raise AssertionError("no mapping holds the array")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists()
+                    or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
+                    reason="needs Linux's smaps and transparent huge pages (numpy advises only there)")
+def test_the_build_allocates_in_small_pages(tiny_gguf: Path, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """weight_memory.small_pages: numpy's large arrays carry no MADV_HUGEPAGE during a build
+    (its docstring has the measurements), and the advice is back afterwards."""
+    import numpy as np
+
+    from ane_spec.shards import weight_memory
+
+    switch = weight_memory._huge_page_switch()
+    assert switch is not None   # numpy >= 1.20 on Linux
+    previous = switch(True)
+    try:
+        assert _huge_page_advised(np.empty(64 << 20, np.uint8))
+        seen: list[bool] = []
+        real = build_module._build_into
+
+        def observed(*args, **kwargs):
+            seen.append(_huge_page_advised(np.empty(64 << 20, np.uint8)))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(build_module, "_build_into", observed)
+        build(tiny_gguf, tmp_path / "out", BuildRequest(max_seq=S, residual_scale="off"))
+        assert seen == [False]
+        assert _huge_page_advised(np.empty(64 << 20, np.uint8))
+    finally:
+        switch(previous)
+
+
 def test_each_program_is_freed_before_the_next_shard(tiny_gguf: Path, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Memory stays bounded by one shard: a MIL program is all reference cycles, so the build's

@@ -83,7 +83,7 @@ from ane_spec.shards import scale_aside
 from ane_spec.shards.hash_aside import HashAside
 from ane_spec.shards.finish_aside import FinishAside, done
 from ane_spec.shards import weight_memory
-from ane_spec.shards.weight_memory import reused_weight_memory
+from ane_spec.shards.weight_memory import reused_weight_memory, small_pages
 from ane_spec.shards.kv_traffic import format_bytes, kv_traffic
 from ane_spec.shards.layer_graph import CORRECT, GraphVariant, LayerWeights, Layout, MaskForm
 from ane_spec.shards.layer_weights import finite_vector, layer_tensor_names, layer_weights
@@ -236,7 +236,7 @@ def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
             (tmp / "shards").mkdir(parents=True)
             try:
                 with _sigbus_ends_build(model.path, out, litter=(tmp, lock.path)), \
-                        frozen_heap(), reused_weight_memory():
+                        frozen_heap(), reused_weight_memory(), small_pages():
                     result = _build_into(model, request, ranges, head_plan, out, tmp, say,
                                          variant, calibrate_aside, hashes_ahead)
                     model.check_unchanged()
