@@ -35,14 +35,20 @@ from pathlib import Path
 
 from ane_spec.model.synthetic import PRESETS
 
-# Runs the CLI in the child and leaves the child's own peak RSS in the file named by argv[1];
-# the child then ends as the `ane-spec` command does (cli.exit_process).
+# Runs the CLI in the child and leaves the child's own peak RSS in the file named by argv[1],
+# then the largest peak among the processes it started and waited for (the build's hash child:
+# model/hash_process.py). That one is ru_maxrss, which on Linux carries the size the parent had
+# when it started the child across the exec, so it is an upper bound (hash_process.py starts
+# its child first thing, before the build's imports). The child then ends as the `ane-spec`
+# command does (cli.exit_process).
 _MEASURED_CHILD = """
-import sys
+import resource, sys
 from ane_spec.cli import exit_process, main
 from ane_spec.peak_memory import peak_rss_bytes
 rc = main(sys.argv[2:])
-open(sys.argv[1], "w").write(str(peak_rss_bytes()))
+helpers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+helpers *= 1 if sys.platform == "darwin" else 1024   # bytes on macOS, KiB elsewhere
+open(sys.argv[1], "w").write(f"{peak_rss_bytes()} {helpers}")
 exit_process(rc)
 """
 
@@ -61,19 +67,22 @@ sys.exit(rc)
 
 def run_measured(cli_args: list[str]) -> tuple[float, int]:
     """Run `ane-spec ARGS` in a child; return its wall seconds and peak RSS bytes."""
-    wall, peak, _ = _run_child(_MEASURED_CHILD, cli_args, f"ane-spec {cli_args[0]}")
+    wall, peak, _, _ = _run_child(_MEASURED_CHILD, cli_args, f"ane-spec {cli_args[0]}")
     return wall, peak
 
 
 def run_baseline(gguf: Path) -> tuple[float, int, float]:
     """The numpy requantization pass over `gguf` in a child: wall s, peak RSS bytes, CPU s."""
-    return _run_child(_BASELINE_CHILD, [str(gguf), str(Path(__file__).resolve().parent)],
-                      "the numpy baseline")
+    wall, peak, cpu, _ = _run_child(_BASELINE_CHILD,
+                                    [str(gguf), str(Path(__file__).resolve().parent)],
+                                    "the numpy baseline")
+    return wall, peak, cpu
 
 
-def _run_child(code: str, args: list[str], what: str) -> tuple[float, int, float]:
-    """Wall seconds, peak RSS bytes (the child's own VmHWM; children it starts are not in it)
-    and CPU seconds of `python -c CODE PEAKFILE ARGS`."""
+def _run_child(code: str, args: list[str], what: str) -> tuple[float, int, float, int]:
+    """Wall seconds, peak RSS bytes (the child's own VmHWM; children it starts are not in it),
+    CPU seconds (its children's included) of `python -c CODE PEAKFILE ARGS`, and the peak its
+    own children reached, where the child wrote one after its own (else 0)."""
     with tempfile.NamedTemporaryFile("r", suffix=".peak") as peak:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.monotonic()
@@ -83,7 +92,8 @@ def _run_child(code: str, args: list[str], what: str) -> tuple[float, int, float
         wall = time.monotonic() - start
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-        return wall, int(Path(peak.name).read_text()), cpu
+        peaks = [int(v) for v in Path(peak.name).read_text().split()]
+        return wall, peaks[0], cpu, (peaks[1] if len(peaks) > 1 else 0)
 
 
 def main() -> None:
@@ -129,12 +139,15 @@ def main() -> None:
                                   "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
                                   "peak_rss_gb": round(peak / 1e9, 2), "load_average": load}
         load = os.getloadavg()[0]
-        wall, peak, cpu = _run_child(_MEASURED_CHILD, [
+        wall, peak, cpu, helpers = _run_child(_MEASURED_CHILD, [
             "build", str(gguf), "--out", str(out), "--topology", topology, "--max-seq",
             str(args.max_seq), "--weights", args.weights, *args.build_arg], "ane-spec build")
         manifest = json.loads((out / "manifest.json").read_text())
         report["build"] = {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
-                           "peak_rss_gb": round(peak / 1e9, 2), "load_average": load,
+                           "peak_rss_gb": round(peak / 1e9, 2),
+                           # an upper bound: _MEASURED_CHILD says why
+                           "helper_process_peak_rss_gb_at_most": round(helpers / 1e9, 2),
+                           "load_average": load,
                            "shards": ",".join("{}:{}".format(*s["layers"]) for s in manifest["shards"])}
         if "baseline" in report:
             base = report["baseline"]
