@@ -417,8 +417,11 @@ def _huge_page_advised(array) -> bool:
     raise AssertionError("no mapping holds the array")
 
 
-@pytest.mark.skipif(not Path("/proc/self/smaps").exists()
-                    or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
+_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists() or not _THP.exists()
+                    or "[never]" in _THP.read_text(),
                     reason="needs Linux's smaps and transparent huge pages (numpy advises only there)")
 def test_the_build_allocates_in_small_pages(tiny_gguf: Path, tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
@@ -432,7 +435,8 @@ def test_the_build_allocates_in_small_pages(tiny_gguf: Path, tmp_path: Path,
     assert switch is not None   # numpy >= 1.20 on Linux
     previous = switch(True)
     try:
-        assert _huge_page_advised(np.empty(64 << 20, np.uint8))
+        if not _huge_page_advised(np.empty(64 << 20, np.uint8)):
+            pytest.skip("this kernel keeps no MADV_HUGEPAGE flag on numpy's memory")
         seen: list[bool] = []
         real = build_module._build_into
 
