@@ -107,6 +107,25 @@ def times_block_scales(values: np.ndarray, scales: np.ndarray, out: np.ndarray) 
                   out=torch.from_numpy(out))
 
 
+def round_in_place(values: np.ndarray) -> None:
+    """Round half to even, as np.rint: torch's where loaded (~30% faster on a 2 MB chunk)."""
+    torch = loaded_torch()
+    if torch is None:
+        np.rint(values, out=values)
+    else:
+        torch.from_numpy(values).round_()
+
+
+def cast_into(values: np.ndarray, out: np.ndarray) -> None:
+    """`values` cast into `out`'s dtype, in place (C's conversion: exact for integral values):
+    torch's where loaded (~30% faster on a 2 MB chunk)."""
+    torch = loaded_torch()
+    if torch is None:
+        np.copyto(out, values, casting="unsafe")
+    else:
+        torch.from_numpy(out).copy_(torch.from_numpy(values))
+
+
 def q8_0_quantize(values: np.ndarray) -> np.ndarray:
     """Quantize float rows `[rows, n]` to Q8_0 bytes `[rows, n/32*34]` as ggml does.
 

@@ -40,7 +40,14 @@ import numpy as np
 
 from ane_spec.errors import BuildError, untrusted
 from ane_spec.model.gguf_file import Tensor
-from ane_spec.model.quant import loaded_torch, q8_0_blocks, q8_0_quantize, times_block_scales
+from ane_spec.model.quant import (
+    cast_into,
+    loaded_torch,
+    q8_0_blocks,
+    q8_0_quantize,
+    round_in_place,
+    times_block_scales,
+)
 from ane_spec.shards import weight_memory
 
 # Threads that requantize a Q8_0 matrix's row chunks at once: each holds a few chunk-sized
@@ -398,7 +405,7 @@ def _requantize_q8_0_rows(t: Tensor, idx: np.ndarray, agreement: "_CosineAccumul
     # multiply, and the cast was most of it (the same values, bit for bit; a third less time
     # for the two). Exact: 8 x 11 bits < 24.
     # The per-block products, the rounding and the cast to int8 are torch's where it is
-    # loaded (`quant.times_block_scales`, `_round_in_place`, `_cast_into`): numpy's
+    # loaded (`quant.times_block_scales`, `round_in_place`, `cast_into`): numpy's
     # broadcast multiply is ~2x slower on these shapes, its rounding and cast ~30%. The same
     # IEEE float32 products, rounding half to even (np.rint's) and exact casts: the same bits
     # either way (tests/test_weights.py).
@@ -414,7 +421,7 @@ def _requantize_q8_0_rows(t: Tensor, idx: np.ndarray, agreement: "_CosineAccumul
     s32 = s16.astype(np.float32)
     # Quantize against the fp16 scale actually stored, so the rounding matches what runs.
     times_block_scales(qf, d32 / s32, qf)
-    _round_in_place(qf)
+    round_in_place(qf)
     # s is amax / 127 rounded to fp16 (relative error <= 2^-11 while it is normal), so
     # |qs * d / s| <= 127 / (1 - 2^-11) + float32's rounding < 127.5: the rounded values
     # already lie in [-127, 127]. A subnormal scale has no such bound.
@@ -425,27 +432,9 @@ def _requantize_q8_0_rows(t: Tensor, idx: np.ndarray, agreement: "_CosineAccumul
         q = qf.astype(np.int8)
     else:
         q = out
-        _cast_into(qf, q)   # integral values in [-127, 127]: exact
+        cast_into(qf, q)   # integral values in [-127, 127]: exact
     agreement.add_scaled(original, qf, s32[:, 0])
     return q, s16
-
-
-def _round_in_place(values: np.ndarray) -> None:
-    """Round half to even, as np.rint."""
-    torch = loaded_torch()
-    if torch is None:
-        np.rint(values, out=values)
-    else:
-        torch.from_numpy(values).round_()
-
-
-def _cast_into(values: np.ndarray, out: np.ndarray) -> None:
-    """`values` cast into `out`'s dtype, in place (C's conversion: exact for integral values)."""
-    torch = loaded_torch()
-    if torch is None:
-        np.copyto(out, values, casting="unsafe")
-    else:
-        torch.from_numpy(out).copy_(torch.from_numpy(values))
 
 
 def _convert_float_rows(t: Tensor, idx: np.ndarray, fmt: StoredFormat,
