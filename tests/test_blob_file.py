@@ -358,9 +358,7 @@ def test_the_file_hashed_from_memory_is_the_file_on_disk(tmp_path: Path,
     """hash_into feeds the hash the finished file's bytes (the header with its final count
     first) without reading it, lets go of the views as it goes, and is asked once, after
     finish_later; store.hash_path takes it in place of the file's read."""
-    import hashlib
-
-    from ane_spec.manifests.store import hash_path
+    from ane_spec.manifests.store import DIGEST, hash_path, new_hasher
 
     stage = 1 << 16
     monkeypatch.setattr(direct_file, "STAGE_BYTES", stage)
@@ -372,13 +370,13 @@ def test_the_file_hashed_from_memory_is_the_file_on_disk(tmp_path: Path,
     for method, a in blobs:
         getattr(ours, method)(a)
     with pytest.raises(ValueError, match="needs a finishing file"):
-        ours.hash_into(hashlib.sha256())
+        ours.hash_into(new_hasher(DIGEST))
     done = ours.finish_later()
     known = {str(path.resolve()): ours.hash_into}
     got = hash_path(tmp_path / "pkg", known=known)
     done.result()
     assert got == hash_path(tmp_path / "pkg") == hash_path(tmp_path / "pkg", uncached=True)
-    h = hashlib.sha256()
+    h = new_hasher(DIGEST)
     with pytest.raises(ValueError, match="once"):
         ours.hash_into(h)
     alone = BlobFileWriter(str(tmp_path / "alone.bin"))

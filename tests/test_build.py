@@ -497,7 +497,7 @@ def test_manifest_detects_tampering(tiny_gguf: Path, tmp_path: Path) -> None:
     data = bytearray(weights.read_bytes())
     data[1000] ^= 0xFF
     weights.write_bytes(bytes(data))
-    with pytest.raises(ManifestError, match="does not match its recorded sha256"):
+    with pytest.raises(ManifestError, match="does not match its recorded blake3"):
         load_manifest(out)
     load_manifest(out, verify=False)  # --no-verify skips the hashes
 
@@ -515,6 +515,56 @@ def test_manifest_detects_tampering(tiny_gguf: Path, tmp_path: Path) -> None:
         load_manifest(out)
     with pytest.raises(ManifestError, match="no manifest"):
         load_manifest(tmp_path / "nowhere")
+
+
+def test_artifacts_hashed_with_sha256_by_older_builds_still_verify(tiny_gguf: Path,
+                                                                    tmp_path: Path) -> None:
+    """A build records BLAKE3 for every artifact; a manifest from before, whose artifacts carry
+    sha256, is verified with sha256 (and a changed file still refused); an artifact with both
+    digests or neither is refused as malformed. The BLAKE3 recorded is BLAKE3's own (the blake3
+    package over the same bytes), not a renamed sha256."""
+    import blake3
+
+    from ane_spec.manifests.store import all_file_refs, hash_path
+
+    out = tmp_path / "art"
+    build(tiny_gguf, out, BuildRequest(topology="3", max_seq=S))
+    loaded = load_manifest(out)
+    refs = all_file_refs(loaded.manifest)
+    assert refs and {r.algorithm for r in refs} == {"blake3"}
+    tokenizer = loaded.manifest.tokenizer
+    assert tokenizer.blake3 == blake3.blake3((out / tokenizer.path).read_bytes()).hexdigest()
+    assert "sha256" not in json.loads((out / "manifest.json").read_text())["tokenizer"]
+
+    # As an older build wrote it: every artifact's sha256, no blake3.
+    raw = json.loads((out / "manifest.json").read_text())
+
+    def as_sha256(node: object) -> None:
+        if isinstance(node, dict):
+            if "blake3" in node and "path" in node:
+                del node["blake3"]
+                node["sha256"] = hash_path(out / node["path"], algorithm="sha256")[1]
+            for value in node.values():
+                as_sha256(value)
+        elif isinstance(node, list):
+            for value in node:
+                as_sha256(value)
+
+    as_sha256(raw)
+    (out / "manifest.json").write_text(json.dumps(raw))
+    assert {r.algorithm for r in all_file_refs(load_manifest(out).manifest)} == {"sha256"}
+    text = (out / tokenizer.path).read_text()
+    (out / tokenizer.path).write_text(text.replace("{", "[", 1))   # the same size, changed
+    with pytest.raises(ManifestError, match="tokenizer.json' does not match its recorded sha256"):
+        load_manifest(out)
+
+    for both_or_neither in ({"blake3": "0" * 64}, {"sha256": None}):
+        broken = json.loads(json.dumps(raw))
+        broken["tokenizer"].update(both_or_neither)
+        broken["tokenizer"] = {k: v for k, v in broken["tokenizer"].items() if v is not None}
+        (out / "manifest.json").write_text(json.dumps(broken))
+        with pytest.raises(ManifestError, match="exactly one of blake3 and sha256"):
+            load_manifest(out, verify=False)
 
 
 def test_default_shard_budget_keeps_a_margin_under_the_measured_edge() -> None:

@@ -88,7 +88,7 @@ def test_require_macos_asks_coremltools_for_the_version(monkeypatch) -> None:
 
 
 def test_compile_package_goes_through_the_hash_keyed_cache(tmp_path: Path, monkeypatch) -> None:
-    """compile_package keys the cache by the given sha256, or by the package's own hash; the
+    """compile_package keys the cache by the given digest, or by the package's own hash; the
     Core ML compiler is replaced (only macOS has it)."""
     import coremltools.models.utils as ct_utils
 
@@ -165,7 +165,7 @@ def test_reshape_hint_follows_the_decode_shape(tmp_path: Path, monkeypatch) -> N
     # The backend that calls Core ML is the one inside the worker process; the proxy that
     # `make_backend` gives passes the same units and hint to it.
     assert (mixed.compute_units, mixed.reshape_frequency) == ("CPU_ONLY", "Frequent")
-    program = CoreMLBackend("CPU_ONLY", "Frequent").load(package, sha256="cd" * 32)
+    program = CoreMLBackend("CPU_ONLY", "Frequent").load(package, digest="cd" * 32)
     assert seen == {"path": str(tmp_path / f"{'cd' * 32}.c"), "units": ct.ComputeUnit.CPU_ONLY,
                     "hints": {"reshapeFrequency": ct.ReshapeFrequency.Frequent}}
     assert program.input_names == ["scores"] and program.state_names == []
@@ -240,8 +240,8 @@ def test_compile_is_cached_outside_the_build(artifacts, tmp_path: Path, monkeypa
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     out, m = artifacts
     package = out / m.heads[0].file.path
-    compiled = compile_package(package, m.heads[0].file.sha256)
-    assert compiled == tmp_path / "compiled" / f"{m.heads[0].file.sha256}.mlmodelc"
+    compiled = compile_package(package, m.heads[0].file.digest)
+    assert compiled == tmp_path / "compiled" / f"{m.heads[0].file.digest}.mlmodelc"
     assert compiled.is_dir() and not (out / "head.mlmodelc").exists()
     stamp = compiled.stat().st_mtime_ns
     assert compile_package(package) == compiled and compiled.stat().st_mtime_ns == stamp

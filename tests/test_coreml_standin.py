@@ -17,7 +17,7 @@ from ane_spec.runtime.mil_backend import MILBackend
 @pytest.fixture(scope="module")
 def shard(coreml_build) -> tuple[Path, str]:
     out, m = coreml_build
-    return out / m.shards[0].file.path, m.shards[0].file.sha256
+    return out / m.shards[0].file.path, m.shards[0].file.digest
 
 
 def feed(t: int = 4, pos: int = 0, seed: int = 0, s: int = 64, d: int = 192
@@ -47,7 +47,7 @@ def test_results_equal_the_fp16_interpreter_bitwise(coreml_standin, shard) -> No
     """Through the real CoreMLBackend (compile, cache, CompiledMLModel, MLState): outputs and
     states come back float32 and equal the fp16 interpreter's values exactly."""
     path, sha = shard
-    coreml = make_backend("coreml").load(path, sha256=sha)
+    coreml = make_backend("coreml").load(path, digest=sha)
     mil = MILBackend("fp16").load(path)
     states = [coreml.make_state(), mil.make_state()]
     for pos, t in [(0, 4), (4, 4), (8, 4)]:
@@ -76,8 +76,8 @@ def test_compiled_once_into_the_cache(coreml_standin, shard, monkeypatch) -> Non
     from ane_spec.runtime.coreml_backend import CoreMLBackend
 
     backend = CoreMLBackend()
-    backend.load(path, sha256=sha)
-    backend.load(path, sha256=sha)
+    backend.load(path, digest=sha)
+    backend.load(path, digest=sha)
     CoreMLBackend(reshape_frequency="Frequent").load(path)  # hashes the package: same key
     assert compiled == [str(path)]
 
@@ -204,7 +204,7 @@ def test_compute_plan_reports_structure_only(coreml_standin, shard) -> None:
     facts = read_package_facts(shard[0])
     assert sum(1 for op in ops if op.operator_name == "conv") == facts.ops["conv"] > 0
     assert all(plan.get_compute_device_usage_for_mlprogram_operation(op) is None for op in ops)
-    report = residency_report(shard[0], sha256=shard[1])
+    report = residency_report(shard[0], digest=shard[1])
     assert report.compute_total == 0 and report.unplanned["conv"] == facts.ops["conv"]
     assert not report.passed and report.undetermined.startswith("needs Apple hardware")
 
@@ -294,7 +294,7 @@ def test_every_value_crossing_into_core_ml_is_one_the_bridge_accepts(coreml_stan
     from ane_spec.runtime.coreml_backend import CoreMLBackend
 
     path, sha = shard
-    program = CoreMLBackend().load(path, sha256=sha)  # what runs in the worker process
+    program = CoreMLBackend().load(path, digest=sha)  # what runs in the worker process
     state = program.make_state()
     hostile = {}
     for name, value in feed().items():
@@ -306,7 +306,7 @@ def test_every_value_crossing_into_core_ml_is_one_the_bridge_accepts(coreml_stan
     with pytest.raises(RuntimeError):  # straight to the bridge, this is refused
         program.model.predict(dict(hostile), state)
     np.testing.assert_array_equal(program.predict(hostile, state)["hidden"],
-                                  CoreMLBackend().load(path, sha256=sha).predict(
+                                  CoreMLBackend().load(path, digest=sha).predict(
                                       feed(), program.make_state())["hidden"])
     # Every write lands (read back, value for value): the state held K/V from the passes above,
     # so a write_state that did nothing would leave them there and fail here.
@@ -366,7 +366,7 @@ def test_one_state_serves_both_functions_of_a_package(coreml_standin, shard) -> 
     from ane_spec.runtime.coreml_backend import CoreMLBackend
 
     backend, mil = CoreMLBackend(), MILBackend("fp16")
-    coreml = {f: backend.load(path, sha256=sha, function=f) for f in ("main", "prefill")}
+    coreml = {f: backend.load(path, digest=sha, function=f) for f in ("main", "prefill")}
     interp = {f: mil.load(path, function=f) for f in ("main", "prefill")}
     for maker, steps in (("main", [("prefill", 64, 0), ("main", 4, 3)]),
                          ("prefill", [("main", 4, 0), ("prefill", 64, 0), ("main", 4, 8)])):

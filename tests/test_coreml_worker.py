@@ -318,10 +318,10 @@ def test_compute_plan_table_drives_residency_both_ways(coreml_standin, coreml_bu
     shard = loaded.manifest.shards[0].file
     package = loaded.path(shard)
     coreml_standin.set_rules(plan_devices={"default": "NeuralEngine"})
-    assert residency_report(package, sha256=shard.sha256).passed
+    assert residency_report(package, digest=shard.digest).passed
     coreml_standin.set_rules(plan_devices={"default": "NeuralEngine",
                                            "ops": {"select": "CPU"}})
-    report = residency_report(package, sha256=shard.sha256)
+    report = residency_report(package, digest=shard.digest)
     assert not report.passed and report.compute_non_ane > 0
     assert {o["op"] for o in report.non_ane_ops} == {"select"}
     assert {o["device"] for o in report.non_ane_ops} == {"MLCPUComputeDevice"}

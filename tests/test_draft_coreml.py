@@ -24,14 +24,14 @@ def draft(coreml_draft: tuple[Path, Path]) -> tuple[Path, Path]:
 
 
 def _package_hashes(build_folder: Path) -> set[str]:
-    """The sha256 of every package in a build: the compiled cache names each compiled model
+    """The digest of every package in a build: the compiled cache names each compiled model
     after it (runtime/compiled_cache.py), so a load's path says whose package it was."""
     found: set[str] = set()
 
     def walk(node: object) -> None:
         if isinstance(node, dict):
-            if str(node.get("path", "")).endswith(".mlpackage") and "sha256" in node:
-                found.add(node["sha256"])
+            if str(node.get("path", "")).endswith(".mlpackage") and "blake3" in node:
+                found.add(node["blake3"])
             for value in node.values():
                 walk(value)
         elif isinstance(node, list):

@@ -143,7 +143,7 @@ def refresh_ref(doc: dict, ref: tuple, art: Path) -> None:
     """Record the artifact's current size and hash, as a careful attacker would."""
     entry = get(doc, ref)
     size, digest = hash_path(art / entry["path"])
-    entry["bytes"], entry["sha256"] = size, digest
+    entry["bytes"], entry["blake3"] = size, digest
 
 
 JSON_VALUES = st.recursive(
@@ -198,7 +198,7 @@ def tampering(draw, pristine: Path) -> dict:
         t["value"] = draw(JSON_VALUES)
     elif kind == "hash":
         t["ref"] = draw(st.sampled_from(FILE_REFS))
-        t["field"] = draw(st.sampled_from(["sha256", "bytes"]))
+        t["field"] = draw(st.sampled_from(["blake3", "sha256", "bytes"]))
         t["value"] = draw(st.sampled_from(["0" * 64, "A" * 64, "abc", "", "z" * 64, -1, 0,
                                            2**63, 10**12]))
     elif kind == "structure":

@@ -190,7 +190,7 @@ def test_tampered_or_missing_head_package_is_refused(builds: dict[str, Path],
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
     with pytest.raises(ManifestError, match="artifact 'head_vocab_000409_000819.mlpackage' does "
-                                            "not match its recorded sha256"):
+                                            "not match its recorded blake3"):
         load_manifest(art)
     shutil.rmtree(second)
     with pytest.raises(ManifestError, match="artifact 'head_vocab_000409_000819.mlpackage' is "

@@ -360,15 +360,15 @@ def test_residency_report_asks_core_ml_for_the_cached_compile(shard_structure, t
         seen.update(path=path, units=compute_units)
         return compute_plan(structure, {"read_state": None, "*": MLNeuralEngineComputeDevice})
 
-    def compile_package(p: Path, sha256: str | None) -> Path:
-        seen.update(package=p, sha256=sha256)
-        return tmp_path / f"{sha256}.mlmodelc"
+    def compile_package(p: Path, digest: str | None) -> Path:
+        seen.update(package=p, digest=digest)
+        return tmp_path / f"{digest}.mlmodelc"
 
     monkeypatch.setattr(residency, "require_macos", lambda what, advice="": None)
     monkeypatch.setattr(residency, "compile_package", compile_package)
     monkeypatch.setattr(cp.MLComputePlan, "load_from_path", load_from_path)
-    report = residency_report(package, "CPU_ONLY", sha256="ab" * 32)
-    assert seen == {"package": package, "sha256": "ab" * 32, "units": ct.ComputeUnit.CPU_ONLY,
+    report = residency_report(package, "CPU_ONLY", digest="ab" * 32)
+    assert seen == {"package": package, "digest": "ab" * 32, "units": ct.ComputeUnit.CPU_ONLY,
                     "path": str(tmp_path / f"{'ab' * 32}.mlmodelc")}
     assert report.passed and report.compute_units == "CPU_ONLY"
 
@@ -606,7 +606,7 @@ def _standin_report(coreml_standin, coreml_build, table, strict=False, **rules):
     coreml_standin.set_rules(plan_devices=table, **rules)
     loaded = load_manifest(coreml_build[0])
     entry = loaded.manifest.shards[0].file
-    return residency_report(loaded.path(entry), "CPU_AND_NE", sha256=entry.sha256,
+    return residency_report(loaded.path(entry), "CPU_AND_NE", digest=entry.digest,
                             strict=strict)
 
 

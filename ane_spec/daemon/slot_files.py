@@ -3,8 +3,8 @@ them and to their own content hash.
 
 Layout: MAGIC, an 8-byte little-endian header length, the header (JSON), then the arrays' bytes
 in `StateLayout` order. The header names the build (model, context, every shard package's
-sha256), the backend, precision and decode shape the K/V were computed with, the tokens, and the
-sha256 of everything else in the file. K/V from another build or another backend would not be
+content hash), the backend, precision and decode shape the K/V were computed with, the tokens,
+and the sha256 of everything else in the file. K/V from another build or another backend would not be
 what this server computes for the same tokens, so such a file is refused, with a message saying
 which: "stale" (an earlier build of the same model), "foreign" (another model or context), or
 computed elsewhere. Every size comes from this server's own layout, never from the file, and
@@ -92,7 +92,7 @@ class SlotContents(NamedTuple):
 def build_identity(layout: StateLayout) -> BuildIdentity:
     p = layout.pipeline
     return BuildIdentity(model=p.manifest.name, max_seq=p.max_seq,
-                         packages=tuple(s.file.sha256 for s in p.manifest.shards),
+                         packages=tuple(s.file.digest for s in p.manifest.shards),
                          backend=p.backend.name, precision=p.backend.precision,
                          decode_shape=p.decode_shape)
 

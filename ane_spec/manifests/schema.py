@@ -16,7 +16,15 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from ane_spec.model.config import ModelConfig
 from ane_spec.model.rope import RopeSpec
@@ -50,6 +58,7 @@ MAX_HEAD_PACKAGES = 256
 
 Dim = Annotated[int, Field(ge=1)] | Literal["T"]
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+Blake3 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]   # BLAKE3's default 256-bit output
 Count = Annotated[int, Field(ge=1)]
 
 
@@ -71,13 +80,40 @@ def check_relative_path(path: str) -> str:
 
 
 class FileRef(_Strict):
-    """A file or package folder relative to the manifest, with its size and content hash."""
+    """A file or package folder relative to the manifest, with its size and content hash: BLAKE3
+    in builds since its hash was switched, sha256 in those before (still verified as such).
+    Exactly one of the two."""
 
     path: str
     bytes: int = Field(ge=0)
-    sha256: Sha256
+    # BLAKE3 verifies a Phi-4-mini build's 3.8 GB at every daemon start several times faster
+    # than sha256 (5.7 against 1.5 GB/s on one core here, and it spreads over cores), and the
+    # build hashes everything it writes.
+    blake3: Blake3 | None = None
+    sha256: Sha256 | None = None
 
     _plain_path = field_validator("path")(check_relative_path)
+
+    @model_validator(mode="after")
+    def _one_digest(self) -> "FileRef":
+        if (self.blake3 is None) == (self.sha256 is None):
+            raise ValueError("an artifact needs exactly one of blake3 and sha256")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_the_other_digest(self, handler: SerializerFunctionWrapHandler) -> dict:
+        return {k: v for k, v in handler(self).items()
+                if not (k in ("blake3", "sha256") and v is None)}
+
+    @property
+    def algorithm(self) -> Literal["blake3", "sha256"]:
+        return "blake3" if self.blake3 is not None else "sha256"
+
+    @property
+    def digest(self) -> str:
+        """The content hash's hex digits (whichever algorithm made it): also what keys the
+        package's compiled copy in the compiled-model cache."""
+        return self.blake3 if self.blake3 is not None else self.sha256  # type: ignore[return-value]
 
 
 class TensorSpec(_Strict):

@@ -21,8 +21,9 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal, Protocol
 
+import blake3
 import numpy as np
 from pydantic import ValidationError
 
@@ -101,17 +102,47 @@ def _walk_files(root: Path) -> list[tuple[tuple[str, ...], Path]]:
     return sorted(files)
 
 
-def hash_path(path: Path, *, uncached: bool = False,
-              known: Mapping[str, Callable[["hashlib._Hash"], int]] | None = None
+Digest = Literal["blake3", "sha256"]
+# What a build records (schema.FileRef says why); manifests from before hold sha256.
+DIGEST: Digest = "blake3"
+
+
+class Hasher(Protocol):
+    def update(self, data: bytes | memoryview, /) -> None: ...
+    def hexdigest(self) -> str: ...
+
+
+class _Blake3:
+    """BLAKE3 with hashlib's two methods, taking any contiguous buffer as hashlib does (blake3's
+    own refuses a typed memoryview, such as a weight file's int8 or fp16 pieces)."""
+
+    def __init__(self, threads: bool):
+        self._h = blake3.blake3(max_threads=blake3.blake3.AUTO if threads else 1)
+
+    def update(self, data: bytes | memoryview, /) -> None:
+        self._h.update(data if isinstance(data, bytes) else memoryview(data).cast("B"))
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def new_hasher(algorithm: Digest, *, threads: bool = False) -> Hasher:
+    """An empty hash of `algorithm`; `threads`: BLAKE3 on every core (verifying a build at
+    load), not one (a build, whose other core converts)."""
+    return _Blake3(threads) if algorithm == "blake3" else hashlib.sha256()
+
+
+def hash_path(path: Path, *, algorithm: Digest = DIGEST, threads: bool = False,
+              uncached: bool = False, known: Mapping[str, Callable[[Hasher], int]] | None = None
               ) -> tuple[int, str]:
-    """(bytes, sha256) of a file, or of a folder (an .mlpackage) as its sorted relative paths
-    and contents, so renaming or editing any file inside changes the hash.
+    """(bytes, hex digest) of a file, or of a folder (an .mlpackage) as its sorted relative
+    paths and contents, so renaming or editing any file inside changes the hash.
 
     `uncached`: read past the page cache where the OS allows it (O_DIRECT), for files just
     written past it that nothing else will read here (the build's packages, blob_file.py).
     `known`: files (by absolute path) whose contents a function feeds to the hash instead, and
     counts (a weight file hashed from the memory it is being written from)."""
-    h = hashlib.sha256()
+    h = new_hasher(algorithm, threads=threads)
     total = 0
     if stat.S_ISDIR(os.lstat(path).st_mode):
         files = [("/".join(parts).encode() + b"\0", f) for parts, f in _walk_files(path)]
@@ -140,10 +171,11 @@ def hash_path(path: Path, *, uncached: bool = False,
     return total, h.hexdigest()
 
 
-def _hash_direct(fd: int, buffers: tuple[mmap.mmap, mmap.mmap], h: "hashlib._Hash") -> int:
+def _hash_direct(fd: int, buffers: tuple[mmap.mmap, mmap.mmap], h: Hasher) -> int:
     """Hash the rest of `fd` (opened with O_DIRECT), reading the next chunk into one buffer
     while the other is hashed. A direct read has no read-ahead: one at a time, the disk and
-    sha256 took turns (a 1.4 GB package: 2.1 s, 1.1 of it CPU). Both release the GIL.
+    the hash (sha256 then) took turns (a 1.4 GB package: 2.1 s, 1.1 of it CPU). Both release
+    the GIL.
     Returns the bytes."""
     total, k = 0, 0
     with ThreadPoolExecutor(1, thread_name_prefix="hash-read") as reader:
@@ -170,9 +202,9 @@ def _read_direct(fd: int, buffer: mmap.mmap) -> int:
 
 
 def file_ref(root: Path, path: Path, *, uncached: bool = False,
-             known: Mapping[str, Callable[["hashlib._Hash"], int]] | None = None) -> FileRef:
-    size, digest = hash_path(path, uncached=uncached, known=known)
-    return FileRef(path=path.relative_to(root).as_posix(), bytes=size, sha256=digest)
+             known: Mapping[str, Callable[[Hasher], int]] | None = None) -> FileRef:
+    size, digest = hash_path(path, algorithm=DIGEST, uncached=uncached, known=known)
+    return FileRef(path=path.relative_to(root).as_posix(), bytes=size, **{DIGEST: digest})
 
 
 def resolve_artifact(root: Path, rel: str, where: Path) -> Path:
@@ -239,7 +271,7 @@ def all_file_refs(m: Manifest) -> list[FileRef]:
 
 def load_manifest(location: str | os.PathLike[str], *, verify: bool = True) -> LoadedManifest:
     """Load `manifest.json` (or the folder holding it); with `verify`, check every named file's
-    size and sha256 so a tampered or half-copied artifact is refused before anything runs, and
+    size and hash so a tampered or half-copied artifact is refused before anything runs, and
     parse the tokenizer. Paths, file kinds and the embeddings' .npy headers are always checked."""
     path = manifest_path(location)
     if not path.is_file():
@@ -255,13 +287,13 @@ def load_manifest(location: str | os.PathLike[str], *, verify: bool = True) -> L
     _check_embeddings(manifest.embeddings, loaded, path)
     if verify:
         for ref in all_file_refs(manifest):
-            size, digest = hash_path(targets[id(ref)])
+            size, digest = hash_path(targets[id(ref)], algorithm=ref.algorithm, threads=True)
             if size != ref.bytes:
                 raise ManifestError(f"{path}: artifact {untrusted(ref.path)} has {size:,} bytes, "
                                     f"the manifest records {ref.bytes:,} (incomplete copy?)")
-            if digest != ref.sha256:
+            if digest != ref.digest:
                 raise ManifestError(f"{path}: artifact {untrusted(ref.path)} does not match its "
-                                    "recorded sha256 (modified after the build?)")
+                                    f"recorded {ref.algorithm} (modified after the build?)")
         loaded.tokenizer_data()
     return loaded
 

@@ -145,12 +145,12 @@ class DoctorRun:
         self.need_coreml()
 
     def packages(self) -> list[tuple[str, Path, str]]:
-        """(label, path, sha256) of every package of the build, shards then head (`head`, or
+        """(label, path, digest) of every package of the build, shards then head (`head`, or
         `head 0-50015`, ... for each package of a head split over --max-head-mb)."""
         m = self.loaded.manifest
         entries = [(f"shard {s.layers[0]}-{s.layers[1] - 1}", s) for s in m.shards]
         entries += [(head_label(h, len(m.heads)), h) for h in m.heads]
-        return [(label, self.loaded.path(e.file), e.file.sha256) for label, e in entries]
+        return [(label, self.loaded.path(e.file), e.file.digest) for label, e in entries]
 
     def synthetic(self, dims: str):
         """(package, config, max_seq) of seeds/003's one-layer probe at `dims`, built once."""
@@ -340,7 +340,7 @@ def check_mask_ops(run: DoctorRun) -> Verdict:
 
         label, shard, sha = run.packages()[0]
         run.progress(f"compute plan of {label} (mask ops)")
-        where = mask_ops.placements(residency_report(shard, "CPU_AND_NE", sha256=sha),
+        where = mask_ops.placements(residency_report(shard, "CPU_AND_NE", digest=sha),
                                     set(read_package_facts(shard).ops))
         source = dict.fromkeys(where, label)
     form, reason = mask_ops.recommend(results, where, built=run.build is not None)
@@ -370,7 +370,7 @@ def check_residency(run: DoctorRun) -> Verdict:
     packages = run.packages()
     for label, path, sha in packages:
         run.progress(f"compute plan of {label}")
-        for r in residency_reports(path, "CPU_AND_NE", sha256=sha, strict=run.strict):
+        for r in residency_reports(path, "CPU_AND_NE", digest=sha, strict=run.strict):
             per_package[label if r.function == "main" else f"{label} {r.function}"] = r
     undetermined = next((r.undetermined for r in per_package.values() if r.undetermined), None)
     if undetermined:  # the plan loaded and its structure was read; placement is unknown

@@ -52,16 +52,16 @@ def gate_parity(loaded: LoadedManifest, pipeline: ShardPipeline,
 
 
 def residency_or_lint(package: Path, compute_units: str = "CPU_AND_NE",
-                      sha256: str | None = None, strict: bool = False) -> GateReport:
+                      digest: str | None = None, strict: bool = False) -> GateReport:
     """One package: MLComputePlan where Core ML runs, each of its functions (a layer package's
     decode and prefill functions) judged apart; everywhere, the static lint (warnings).
-    `sha256`: the package's hash from the manifest, the compiled-model cache's key."""
+    `digest`: the package's hash from the manifest, the compiled-model cache's key."""
     from ane_spec.probes.residency import ane_lint, residency_reports
     from ane_spec.runtime.backend import BackendUnavailable
 
     lint = [vars(w) | {"package": Path(w.package).name} for w in ane_lint(package)]
     try:
-        reports = residency_reports(package, compute_units, sha256, strict)
+        reports = residency_reports(package, compute_units, digest, strict)
     except BackendUnavailable as exc:  # "unavailable: needs macOS 15 (this is ...): ..."
         return GateReport("residency", False, "coreml", None, {"lint_warnings": len(lint)},
                           {"compute_non_ane": 0}, {"lint": lint},
@@ -99,7 +99,7 @@ def gate_residency(loaded: LoadedManifest, compute_units: str = "CPU_AND_NE",
     (residency.ResidencyReport.passed: every conv on the ANE and the stated share of the cost,
     or with `strict` every op)."""
     files = [p.file for p in [*loaded.manifest.shards, *loaded.manifest.heads]]
-    parts = [residency_or_lint(loaded.path(f), compute_units, f.sha256, strict) for f in files]
+    parts = [residency_or_lint(loaded.path(f), compute_units, f.digest, strict) for f in files]
     lint = [w for r in parts for w in r.details["lint"]]
     if any(r.skipped for r in parts):
         return GateReport("residency", False, "coreml", None, {"lint_warnings": len(lint)},

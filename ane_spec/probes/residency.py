@@ -114,36 +114,36 @@ class ResidencyReport:
 
 
 def residency_report(package: Path, compute_units: str = "CPU_AND_NE",
-                     sha256: str | None = None, function: str = "main",
+                     digest: str | None = None, function: str = "main",
                      strict: bool = False) -> ResidencyReport:
     """One function of the package (its default, `main`, unless named)."""
-    plan = _load_plan(package, compute_units, sha256)
+    plan = _load_plan(package, compute_units, digest)
     report = plan_residency(plan, str(package), compute_units, function, strict)
     report.undetermined = hardware_problem()
     return report
 
 
 def residency_reports(package: Path, compute_units: str = "CPU_AND_NE",
-                      sha256: str | None = None, strict: bool = False
+                      digest: str | None = None, strict: bool = False
                       ) -> list[ResidencyReport]:
     """Every function of the package, default first, from one compute plan."""
     from ane_spec.package_spec import package_functions, read_spec
 
     functions = package_functions(read_spec(package))
-    plan = _load_plan(package, compute_units, sha256)
+    plan = _load_plan(package, compute_units, digest)
     reports = [plan_residency(plan, str(package), compute_units, f, strict) for f in functions]
     for report in reports:
         report.undetermined = hardware_problem()
     return reports
 
 
-def _load_plan(package: Path, compute_units: str, sha256: str | None) -> Any:
+def _load_plan(package: Path, compute_units: str, digest: str | None) -> Any:
     check_compute_units(compute_units)
     require_macos("the residency report")
     import coremltools as ct
     from coremltools.models.compute_plan import MLComputePlan
 
-    compiled = compile_package(package, sha256)
+    compiled = compile_package(package, digest)
     # MLComputePlan.load_from_path(path, compute_units) on the .mlmodelc (models/compute_plan.py)
     return MLComputePlan.load_from_path(str(compiled),
                                         compute_units=ct.ComputeUnit[compute_units])

@@ -47,9 +47,9 @@ class Backend(Protocol):
     name: BackendName
     precision: Precision | None  # None where the hardware decides (Core ML)
 
-    def load(self, package: Path, *, sha256: str | None = None,
+    def load(self, package: Path, *, digest: str | None = None,
              function: str = "main") -> LoadedProgram:
-        """`sha256`: the package's content hash as the manifest records it, if known (Core ML
+        """`digest`: the package's content hash as the manifest records it, if known (Core ML
         keys its compiled-model cache by it; otherwise it hashes the package). `function`: which
         of a multifunction package's functions (a layer package's `prefill`; Core ML's default,
         `main`, otherwise). Programs of one package's functions may share one state."""

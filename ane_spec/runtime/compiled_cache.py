@@ -1,12 +1,12 @@
-"""Compiled Core ML models (`.mlmodelc`), cached per user and keyed by the package's sha256.
+"""Compiled Core ML models (`.mlmodelc`), cached per user and keyed by the package's digest.
 
 Compiling a Phi-4-mini shard takes minutes; the cache keeps the result outside the build folder,
 so `build --force` reusing an unchanged package (same bytes, same hash) also reuses its compiled
 copy, and two builds holding the same package share one. Layout:
 
-    $ANE_SPEC_CACHE_DIR/compiled/<sha256>.mlmodelc          (if the variable is set)
-    ~/Library/Caches/ane-spec/compiled/<sha256>.mlmodelc    (macOS)
-    $XDG_CACHE_HOME/ane-spec/compiled/<sha256>.mlmodelc     (elsewhere, default ~/.cache)
+    $ANE_SPEC_CACHE_DIR/compiled/<digest>.mlmodelc          (if the variable is set)
+    ~/Library/Caches/ane-spec/compiled/<digest>.mlmodelc    (macOS)
+    $XDG_CACHE_HOME/ane-spec/compiled/<digest>.mlmodelc     (elsewhere, default ~/.cache)
 
 Publishing is atomic and safe between processes: each compile writes into its own temporary
 folder inside the cache, and the result is renamed into place in one step. A rename onto a
@@ -30,7 +30,7 @@ from ane_spec.errors import AneSpecError
 
 CACHE_ENV = "ANE_SPEC_CACHE_DIR"
 STALE_TEMP_SECONDS = 24 * 3600  # a compile that died this long ago left its folder behind
-_SHA256 = re.compile(r"[0-9a-f]{64}")
+_HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
 _TEMP_PREFIX = ".compiling-"
 
 # compile(package, destination): write the compiled model to `destination`, which does not exist
@@ -51,23 +51,24 @@ def compiled_dir(root: Path | None = None) -> Path:
     return (root or cache_root()) / "compiled"
 
 
-def cached_path(sha256: str, root: Path | None = None) -> Path:
+def cached_path(digest: str, root: Path | None = None) -> Path:
     # The key may come from a manifest, i.e. from a file: it must be a hash, never a path.
-    if not _SHA256.fullmatch(sha256):
-        raise AneSpecError(f"package hash {sha256[:80]!r} is not a sha256 hex digest")
-    return compiled_dir(root) / f"{sha256}.mlmodelc"
+    if not _HEX_DIGEST.fullmatch(digest):
+        raise AneSpecError(f"package hash {digest[:80]!r} is not 64 hex digits (a blake3 or "
+                           "sha256 digest)")
+    return compiled_dir(root) / f"{digest}.mlmodelc"
 
 
-def compile_cached(package: Path, sha256: str, compile_fn: Compiler,
+def compile_cached(package: Path, digest: str, compile_fn: Compiler,
                    root: Path | None = None) -> Path:
-    """The compiled copy of `package` (whose content hash is `sha256`), compiling it only if no
+    """The compiled copy of `package` (whose content hash is `digest`), compiling it only if no
     process has published one yet."""
-    target = cached_path(sha256, root)
+    target = cached_path(digest, root)
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     _sweep_stale(target.parent)
-    work = Path(tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{sha256[:16]}-", dir=target.parent))
+    work = Path(tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{digest[:16]}-", dir=target.parent))
     try:
         built = work / "model.mlmodelc"
         compile_fn(Path(package), built)

@@ -87,9 +87,9 @@ def hardware_problem() -> str | None:
     return getattr(module, "ANE_SPEC_STANDIN", None)
 
 
-def compile_package(package: Path, sha256: str | None = None) -> Path:
+def compile_package(package: Path, digest: str | None = None) -> Path:
     """The compiled `.mlmodelc` of a package, from the per-user cache (see compiled_cache),
-    compiling it on first use. `sha256` is the package's content hash as a manifest records it;
+    compiling it on first use. `digest` is the package's content hash as a manifest records it;
     without one the package is hashed here."""
     require_macos("compiling a Core ML package")
     from coremltools.models.utils import compile_model
@@ -99,7 +99,7 @@ def compile_package(package: Path, sha256: str | None = None) -> Path:
     package = Path(package)
     if not package.is_dir():
         raise AneSpecError(f"{package}: not an .mlpackage folder")
-    digest = sha256 or hash_path(package)[1]
+    digest = digest or hash_path(package)[1]
 
     def compile_to(src: Path, dst: Path) -> None:
         # compile_model moves Core ML's output to destination_path, which must end in
@@ -319,11 +319,11 @@ class CoreMLBackend:
         self.reshape_frequency = check_reshape_frequency(reshape_frequency)
         require_macos("the Core ML backend", "use --backend mil")
 
-    def load(self, package: Path, *, sha256: str | None = None,
+    def load(self, package: Path, *, digest: str | None = None,
              function: str = "main") -> CoreMLProgram:
         import coremltools as ct
 
-        compiled = compile_package(package, sha256)
+        compiled = compile_package(package, digest)
         spec = read_spec(package)
         desc = function_description(spec, function)
         # CompiledMLModel(path, compute_units, function_name, optimization_hints)

@@ -88,8 +88,8 @@ class _Handler:
         self.heads: dict[int, tuple[dict[str, np.ndarray], HeadRows]] = {}
         self._scratch: np.ndarray | None = None
 
-    def load(self, pid: int, package: str, sha256: str | None, function: str = "main") -> None:
-        self.programs[pid] = self.backend.load(Path(package), sha256=sha256, function=function)
+    def load(self, pid: int, package: str, digest: str | None, function: str = "main") -> None:
+        self.programs[pid] = self.backend.load(Path(package), digest=digest, function=function)
 
     def make_state(self, pid: int, sid: int) -> None:
         self.states[sid] = (pid, self.programs[pid].make_state())
@@ -310,10 +310,10 @@ class WorkerState:
 
 class WorkerProgram:
     def __init__(self, backend: CoreMLWorkerBackend, pid: int, package: Path,
-                 sha256: str | None, label: str, input_names: list[str],
+                 digest: str | None, label: str, input_names: list[str],
                  output_names: list[str], state_names: list[str], function: str = "main",
                  state_shapes: dict[str, tuple[int, ...]] | None = None):
-        self.backend, self.pid, self.package, self.sha256 = backend, pid, package, sha256
+        self.backend, self.pid, self.package, self.digest = backend, pid, package, digest
         self.state_shapes = state_shapes or {}
         self.label, self.function = label, function
         self.input_names, self.output_names, self.state_names = (
@@ -459,7 +459,7 @@ class CoreMLWorkerBackend:
             self._ids += 1
             return self._ids
 
-    def load(self, package: Path, *, sha256: str | None = None,
+    def load(self, package: Path, *, digest: str | None = None,
              function: str = "main") -> WorkerProgram:
         from ane_spec.package_spec import function_description, read_spec
 
@@ -471,7 +471,7 @@ class CoreMLWorkerBackend:
         desc = function_description(read_spec(package), function)
         where = f"{package.name} ({package})" if function == "main" else (
             f"{package.name} function {function} ({package})")
-        program = WorkerProgram(self, self._next_id(), package, sha256, where,
+        program = WorkerProgram(self, self._next_id(), package, digest, where,
                                 [i.name for i in desc.input], [o.name for o in desc.output],
                                 [s.name for s in desc.state], function,
                                 {s.name: tuple(int(d) for d in s.type.stateType.arrayType.shape)
@@ -494,7 +494,7 @@ class CoreMLWorkerBackend:
         self._loaded_generation = worker.generation
 
     def _load(self, program: WorkerProgram) -> None:
-        self._call("load", program.pid, str(program.package), program.sha256, program.function,
+        self._call("load", program.pid, str(program.package), program.digest, program.function,
                    during=f"load of {program.label}")
 
     def _kept(self, head: WorkerProgram, hid: int, known: list[int | None]) -> RemoteRows:

@@ -42,9 +42,9 @@ class MILBackend:
         # programs, they hold each (float32, folded) weight once.
         self.shared = SharedConsts()
 
-    def load(self, package: Path, *, sha256: str | None = None,
+    def load(self, package: Path, *, digest: str | None = None,
              function: str = "main") -> MILProgram:
-        # sha256 keys Core ML's compiled-model cache; the interpreter compiles nothing.
+        # digest keys Core ML's compiled-model cache; the interpreter compiles nothing.
         try:
             interp = MILInterpreter.from_package(package, precision=self.precision,
                                                  function=function, kernels=self.kernels,

@@ -238,17 +238,17 @@ class ShardPipeline:
         if refusal:  # before any package is compiled or loaded
             raise AneSpecError(refusal)
         # The manifest's hashes key Core ML's compiled-model cache (no re-hashing 2 GB shards).
-        self.shards = [self.backend.load(self.loaded.path(s.file), sha256=s.file.sha256,
+        self.shards = [self.backend.load(self.loaded.path(s.file), digest=s.file.digest,
                                          function=m.build.decode_function)
                        for s in m.shards]
         # The same packages' prefill functions: one state (made by the decode program) serves
         # both, as the packages declare the same states for both.
         self.prefill_t = m.build.prefill_t
         self.prefill_shards = [
-            self.backend.load(self.loaded.path(s.file), sha256=s.file.sha256,
+            self.backend.load(self.loaded.path(s.file), digest=s.file.digest,
                               function=m.build.prefill_function)
             for s in m.shards] if self.prefill_t else []
-        self.heads = [self.backend.load(self.loaded.path(h.file), sha256=h.file.sha256)
+        self.heads = [self.backend.load(self.loaded.path(h.file), digest=h.file.digest)
                       for h in m.heads]
         self.head = SplitHead(self.heads, m.heads, self.loaded.file)
         if not self.defer_start:

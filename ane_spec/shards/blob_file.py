@@ -12,14 +12,17 @@ place, through the cache.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import struct
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ane_spec.shards.direct_file import DirectFile
+
+if TYPE_CHECKING:
+    from ane_spec.manifests.store import Hasher
 
 ALIGNMENT = 64   # DefaultStorageAlignment
 _SENTINEL = 0xDEADBEEF
@@ -117,7 +120,7 @@ class BlobFileWriter:
         done.add_done_callback(lambda _: os.close(fd))
         return done
 
-    def hash_into(self, h: "hashlib._Hash") -> int:
+    def hash_into(self, h: "Hasher") -> int:
         """Feed the finished file's bytes to `h` from the memory they are written from, not
         from the disk; returns their count. Once `finish_later` has been called (the header's
         count is final), and once only: the views are let go of here, so the weights they

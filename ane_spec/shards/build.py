@@ -720,7 +720,7 @@ def _reuse(previous: PreviousBuild | None, fp: str, rel: str, tmp: Path, kind: t
         return None
     old = previous.root / entry.file.path
     try:
-        if hash_path(old) != (entry.file.bytes, entry.file.sha256):
+        if hash_path(old, algorithm=entry.file.algorithm) != (entry.file.bytes, entry.file.digest):
             return None
     except (ManifestError, OSError):
         return None

@@ -28,7 +28,7 @@ def _reusable(out: Path, gguf: Path, max_seq: int) -> bool:
     except (ManifestError, AneSpecError):
         return False
     return (m.build.max_seq == max_seq and m.source.bytes == gguf.stat().st_size
-            and m.source.sha256 == hash_path(gguf)[1])
+            and m.source.sha256 == hash_path(gguf, algorithm="sha256")[1])
 
 
 def draft_build(arg: str, *, max_seq: int, root: Path = DRAFTS_ROOT,

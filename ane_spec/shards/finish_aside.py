@@ -1,11 +1,11 @@
 """Work that finishes a build's artifacts, done by a helper thread while the next one is made.
 
-A package's manifest entry needs the sha256 of everything in it (store.hash_path): on a
+A package's manifest entry needs the hash of everything in it (store.hash_path): on a
 real-size Phi-4-mini, 3.7 GB and ~3.6 s of the building thread, during which the second core
 had nothing to do. The embeddings (0.65 GB written and hashed) need only
 the residual scale, and used to be the build's last 1.5-2.4 s; they start the moment it is
 decided, beside the first shard's MIL program. Neither needs anything the next shard's conversion and MIL program (numpy and
-Python) make, and sha256, the reads and the writes release the GIL: a helper thread does them
+Python) make, and the hash, the reads and the writes release the GIL: a helper thread does them
 while the building thread goes on, and their results are waited for when the manifest is
 written.
 
