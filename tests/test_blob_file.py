@@ -358,7 +358,8 @@ def test_the_file_hashed_from_memory_is_the_file_on_disk(tmp_path: Path,
     """hash_into feeds the hash the finished file's bytes (the header with its final count
     first) without reading it, lets go of the views as it goes, and is asked once, after
     finish_later; store.hash_path takes it in place of the file's read."""
-    from ane_spec.manifests.store import DIGEST, hash_path, new_hasher
+    from ane_spec.content_digest import DIGEST, new_hasher
+    from ane_spec.manifests.store import hash_path
 
     stage = 1 << 16
     monkeypatch.setattr(direct_file, "STAGE_BYTES", stage)

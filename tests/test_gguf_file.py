@@ -171,7 +171,7 @@ def test_separate_output_head(tmp_path: Path) -> None:
 
 
 HASH_PEAK = """
-import hashlib, json, sys
+import blake3, json, sys
 from ane_spec.model.gguf_file import open_gguf
 from ane_spec.peak_memory import peak_rss_bytes
 m = open_gguf(sys.argv[1])
@@ -179,7 +179,7 @@ before = peak_rss_bytes()
 whole, per_tensor = m.content_hashes()
 rise = peak_rss_bytes() - before
 with open(sys.argv[1], "rb") as fh:
-    assert whole == hashlib.file_digest(fh, "sha256").hexdigest()
+    assert whole == blake3.blake3(fh.read()).hexdigest()
 print(json.dumps({"rise_mb": rise / 2**20,
                   "table_mb": m.tensor("token_embd.weight").nbytes / 2**20}))
 """
@@ -207,16 +207,16 @@ def test_hashing_gives_back_the_file_pages_as_it_goes(tmp_path: Path) -> None:
 
 def test_content_hashes_identify_the_file_and_each_tensor(tiny_gguf: Path, tmp_path: Path
                                                           ) -> None:
-    """The file's digest is its sha256 (what `sha256sum` and a publisher state); each tensor's
-    is XXH3-128 of its own bytes (the build's fingerprints), so a change to one tensor moves
-    the file's digest and that tensor's, no other."""
-    import hashlib
+    """The file's digest is its BLAKE3 (what `b3sum` prints); each tensor's is XXH3-128 of its
+    own bytes (the build's fingerprints), so a change to one tensor moves the file's digest and
+    that tensor's, no other."""
     import shutil
 
+    import blake3
     import xxhash
 
     whole, per_tensor = open_gguf(tiny_gguf).content_hashes()
-    assert whole == hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
+    assert whole == blake3.blake3(tiny_gguf.read_bytes()).hexdigest()
     model = open_gguf(tiny_gguf)
     data = tiny_gguf.read_bytes()
     for name, t in model.tensors.items():

@@ -4,7 +4,6 @@ holds open, and never a reason for a build to fail or for hashing to outlive it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -12,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import blake3
 import pytest
 
 from ane_spec.cli import main
@@ -25,7 +25,7 @@ def test_the_child_gives_the_hashes_the_build_takes(tiny_gguf: Path) -> None:
     with HashesAhead(tiny_gguf) as ahead:
         got = ahead.result(model.identity)
     assert got == model.content_hashes()
-    assert got[0] == hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
+    assert got[0] == blake3.blake3(tiny_gguf.read_bytes()).hexdigest()
 
 
 def test_hashes_of_another_file_are_not_used(tiny_gguf: Path, tmp_path: Path) -> None:
@@ -70,7 +70,7 @@ def test_a_child_whose_build_is_gone_stops(tiny_gguf: Path) -> None:
 
 
 @pytest.mark.parametrize("output", [b"", b"{}", b"not json",
-                                    json.dumps({"identity": [1, 2, 3, 4], "sha256": "x" * 64,
+                                    json.dumps({"identity": [1, 2, 3, 4], "digest": "x" * 64,
                                                 "tensors": {}}).encode()])
 def test_output_that_is_not_hashes_is_not_used(output: bytes, tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
@@ -111,5 +111,5 @@ def test_the_cli_build_uses_the_child_s_hashes(tiny_gguf: Path, tmp_path: Path,
     assert f"built 0 and reused {built} packages" in printed.out
     assert "hashing" not in printed.err
     second = json.loads((out / "manifest.json").read_text())
-    assert second["source"]["sha256"] == first["source"]["sha256"] == hashlib.sha256(
+    assert second["source"]["blake3"] == first["source"]["blake3"] == blake3.blake3(
         tiny_gguf.read_bytes()).hexdigest()

@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import blake3
 import pytest
 import torch
 
@@ -92,9 +93,9 @@ def test_aside_builds_what_the_serial_order_builds(overflowing_gguf: Path, tmp_p
     assert said[0] == "calibrating activations beside the conversion (second core)"
     # The file's hashes were taken beside it too (nothing to reuse): the same ones.
     assert said[1] == f"hashing {overflowing_gguf.name} beside the conversion"
-    source = [json.loads((tmp_path / d / "manifest.json").read_text())["source"]["sha256"]
+    source = [json.loads((tmp_path / d / "manifest.json").read_text())["source"]["blake3"]
               for d in ("aside", "serial")]
-    assert source[0] == source[1] == hashlib.sha256(overflowing_gguf.read_bytes()).hexdigest()
+    assert source[0] == source[1] == blake3.blake3(overflowing_gguf.read_bytes()).hexdigest()
     # k is said once, after the calibration's own lines and before any shard's.
     scale = next(i for i, m in enumerate(said) if m.startswith("residual scale:"))
     assert scale > max(i for i, m in enumerate(said) if m.startswith("calibrating"))

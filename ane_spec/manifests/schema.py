@@ -79,31 +79,25 @@ def check_relative_path(path: str) -> str:
     return path
 
 
-class FileRef(_Strict):
-    """A file or package folder relative to the manifest, with its size and content hash: BLAKE3
-    in builds since its hash was switched, sha256 in those before (still verified as such).
-    Exactly one of the two."""
+class _Digested(_Strict):
+    """Something hashed, with its content hash: BLAKE3 in builds since the hash was switched
+    (content_digest.py says why), sha256 in those before (still verified as such). Exactly one
+    of the two; the other is left out of the JSON."""
 
-    path: str
-    bytes: int = Field(ge=0)
-    # BLAKE3 verifies a Phi-4-mini build's 3.8 GB at every daemon start several times faster
-    # than sha256 (5.7 against 1.5 GB/s on one core here, and it spreads over cores), and the
-    # build hashes everything it writes.
     blake3: Blake3 | None = None
     sha256: Sha256 | None = None
 
-    _plain_path = field_validator("path")(check_relative_path)
-
     @model_validator(mode="after")
-    def _one_digest(self) -> "FileRef":
+    def _one_digest(self) -> "_Digested":
         if (self.blake3 is None) == (self.sha256 is None):
-            raise ValueError("an artifact needs exactly one of blake3 and sha256")
+            raise ValueError("needs exactly one of blake3 and sha256")
         return self
 
     @model_serializer(mode="wrap")
     def _without_the_other_digest(self, handler: SerializerFunctionWrapHandler) -> dict:
-        return {k: v for k, v in handler(self).items()
-                if not (k in ("blake3", "sha256") and v is None)}
+        fields = handler(self)
+        digests = {k: fields.pop(k) for k in ("blake3", "sha256") if k in fields}
+        return {**fields, **{k: v for k, v in digests.items() if v is not None}}
 
     @property
     def algorithm(self) -> Literal["blake3", "sha256"]:
@@ -111,9 +105,18 @@ class FileRef(_Strict):
 
     @property
     def digest(self) -> str:
-        """The content hash's hex digits (whichever algorithm made it): also what keys the
+        """The content hash's hex digits, whichever algorithm made them: also what keys a
         package's compiled copy in the compiled-model cache."""
         return self.blake3 if self.blake3 is not None else self.sha256  # type: ignore[return-value]
+
+
+class FileRef(_Digested):
+    """A file or package folder relative to the manifest, with its size and content hash."""
+
+    path: str
+    bytes: int = Field(ge=0)
+
+    _plain_path = field_validator("path")(check_relative_path)
 
 
 class TensorSpec(_Strict):
@@ -141,10 +144,11 @@ class QuantStats(_Strict):
     tensors: dict[str, TensorQuant] = Field(default_factory=dict)
 
 
-class SourceInfo(_Strict):
+class SourceInfo(_Digested):
+    """The GGUF a build was made from: its path, size and content hash."""
+
     path: str
     bytes: int
-    sha256: str
     # What the GGUF says of itself, for the servers' model listings (Ollama's `details`):
     # its file type as llama.cpp names it ("Q8_0", "Q4_K_M"), and its parameter count (every
     # tensor's elements). None in builds from before they were recorded.

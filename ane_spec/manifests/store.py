@@ -10,7 +10,6 @@ again with fstat, so swapping one in after the check gains nothing.
 from __future__ import annotations
 
 import errno
-import hashlib
 import io
 import json
 import math
@@ -21,12 +20,12 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Literal, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-import blake3
 import numpy as np
 from pydantic import ValidationError
 
+from ane_spec.content_digest import DIGEST, Digest, Hasher, new_hasher
 from ane_spec.errors import ManifestError, TokenizerError, untrusted
 from ane_spec.manifests.schema import (
     MANIFEST_NAME,
@@ -100,36 +99,6 @@ def _walk_files(root: Path) -> list[tuple[tuple[str, ...], Path]]:
                                         " not a package this project built")
     # Sorted by path components: the order Path objects sort in, which earlier builds hashed in.
     return sorted(files)
-
-
-Digest = Literal["blake3", "sha256"]
-# What a build records (schema.FileRef says why); manifests from before hold sha256.
-DIGEST: Digest = "blake3"
-
-
-class Hasher(Protocol):
-    def update(self, data: bytes | memoryview, /) -> None: ...
-    def hexdigest(self) -> str: ...
-
-
-class _Blake3:
-    """BLAKE3 with hashlib's two methods, taking any contiguous buffer as hashlib does (blake3's
-    own refuses a typed memoryview, such as a weight file's int8 or fp16 pieces)."""
-
-    def __init__(self, threads: bool):
-        self._h = blake3.blake3(max_threads=blake3.blake3.AUTO if threads else 1)
-
-    def update(self, data: bytes | memoryview, /) -> None:
-        self._h.update(data if isinstance(data, bytes) else memoryview(data).cast("B"))
-
-    def hexdigest(self) -> str:
-        return self._h.hexdigest()
-
-
-def new_hasher(algorithm: Digest, *, threads: bool = False) -> Hasher:
-    """An empty hash of `algorithm`; `threads`: BLAKE3 on every core (verifying a build at
-    load), not one (a build, whose other core converts)."""
-    return _Blake3(threads) if algorithm == "blake3" else hashlib.sha256()
 
 
 def hash_path(path: Path, *, algorithm: Digest = DIGEST, threads: bool = False,

@@ -1,8 +1,8 @@
 """A GGUF's content hashes, taken by a child process that `ane-spec build` starts first thing.
 
 The build's first seconds are one core importing coremltools and torch (~3 s on the 2-core dev
-machine) while the other has nothing to do. Hashing a 4 GB file is ~3 s of CPU (sha256 of the
-file, XXH3 of each tensor). A thread cannot take that idle core: the hashing loop's Python
+machine) while the other has nothing to do. Hashing a 4 GB file was ~3 s of CPU with sha256
+(~1 with BLAKE3 now: content_digest.py), XXH3 of each tensor beside. A thread cannot take that idle core: the hashing loop's Python
 fought the imports for the GIL, and the build got slower (measured twice, issue 33's notes). A
 process has a GIL of its own and needs only numpy and the GGUF reader (~0.4 s to import), so it
 hashes while the parent imports, and the build's busiest stretch (the first shard's conversion
@@ -44,7 +44,7 @@ class ChildHashes(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     identity: tuple[int, int, int, int]
-    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    digest: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]   # content_digest.DIGEST's
     tensors: dict[str, Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]]   # XXH3-128
 
 
@@ -90,7 +90,7 @@ class HashesAhead:
             self.why_not = "the file it hashed is not the one the build opened"
             return None
         self.why_not = ""
-        return got.sha256, got.tensors
+        return got.digest, got.tensors
 
     def hashes_for(self, model: "GGUFModel", say: Callable[[str], None]) -> Hashes:
         """The child's hashes of `model`'s file, or the model's own (hashed here, and said so)
@@ -142,13 +142,13 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         with open_gguf(argv[0]) as model:
-            sha256, tensors = model.content_hashes(stop=_ParentGone(int(argv[1])))
+            digest, tensors = model.content_hashes(stop=_ParentGone(int(argv[1])))
             model.check_unchanged()
             identity = model.identity
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which hashes itself
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    json.dump({"identity": identity, "sha256": sha256, "tensors": tensors}, sys.stdout)
+    json.dump({"identity": identity, "digest": digest, "tensors": tensors}, sys.stdout)
     return 0
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from ane_spec.shards.direct_file import DirectFile
 
 if TYPE_CHECKING:
-    from ane_spec.manifests.store import Hasher
+    from ane_spec.content_digest import Hasher
 
 ALIGNMENT = 64   # DefaultStorageAlignment
 _SENTINEL = 0xDEADBEEF

@@ -54,6 +54,7 @@ from ane_spec.ane_limits import (
     ane_limit_refusals,
     build_warnings,
 )
+from ane_spec.content_digest import DIGEST
 from ane_spec.errors import AneSpecError, BuildError, ManifestError, one_line, untrusted
 from ane_spec.manifests.schema import (
     GRAPH_REVISION,
@@ -386,7 +387,7 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
     weight_memory.trim()   # the layers' buffers: the head's chunks are larger
     residual = decided()  # a build of reused shards only (or of none) has not asked yet
     log2 = residual.log2_factor
-    source_sha, tensor_sha = hashed()
+    source_digest, tensor_sha = hashed()
     chunks = head_chunk_bounds(model.config.vocab_size, request.head_chunks, request.head_argmax)
     if len(head_plan) > 1:
         say(f"LM head: {len(chunks)} chunks over --max-head-mb {request.max_head_mb:g}, split "
@@ -437,7 +438,7 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         name=request.name or out.name,
         source=SourceInfo(path=str(model.path.resolve()), bytes=model.path.stat().st_size,
-                          sha256=source_sha, file_type=model.file_type_name,
+                          file_type=model.file_type_name, **{DIGEST: source_digest},
                           parameters=model.parameter_count),
         model=model.config, tokenizer=file_ref(tmp, tok_path), build=options,
         rope=model.rope_spec(request.max_seq),

@@ -4,7 +4,7 @@ M is a build folder (used as it is), or anything `ane-spec build` takes: a GGUF 
 name (pulled when missing) or `ollama:NAME[:TAG]`. A GGUF is built once into
 `local-artifacts/drafts/<file stem>-s<context>` with the default settings and the target's
 context window (so the draft can follow the whole conversation), and reused while that build's
-source is the same file (size and sha256) with the same window.
+source is the same file (size and content hash) with the same window.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _reusable(out: Path, gguf: Path, max_seq: int) -> bool:
     except (ManifestError, AneSpecError):
         return False
     return (m.build.max_seq == max_seq and m.source.bytes == gguf.stat().st_size
-            and m.source.sha256 == hash_path(gguf, algorithm="sha256")[1])
+            and m.source.digest == hash_path(gguf, algorithm=m.source.algorithm)[1])
 
 
 def draft_build(arg: str, *, max_seq: int, root: Path = DRAFTS_ROOT,
