@@ -78,7 +78,7 @@ def test_write_state_values_are_not_ringed_and_the_pool_frees_what_state_calls_a
 
     art, manifest = coreml_build
     shard = manifest.shards[0]
-    program = CoreMLBackend().load(art / shard.file.path, sha256=shard.file.sha256)
+    program = CoreMLBackend().load(art / shard.file.path, digest=shard.file.digest)
     state = program.make_state()
     name = program.state_names[0]
     value = np.ones(program.read_state(state, name).shape, dtype=np.float32)
@@ -106,7 +106,7 @@ def test_a_pass_lends_one_converted_set_of_pass_wide_inputs_to_every_shard(
     handler = coreml_worker._Handler(None, "CPU_AND_NE", "Infrequent")
     calls = []
     for k, shard in enumerate(manifest.shards):
-        handler.load(k, str(art / shard.file.path), shard.file.sha256)
+        handler.load(k, str(art / shard.file.path), shard.file.digest)
         handler.make_state(k, 100 + k)
         calls.append((k, 100 + k))
     entry = manifest.shards[0]

@@ -1,14 +1,14 @@
 """`--slot-save-path` files: one conversation's tokens and K/V rows, tied to the build that made
 them and to their own content hash.
 
-Layout: MAGIC, an 8-byte little-endian header length, the header (JSON), then the arrays' bytes
-in `StateLayout` order. The header names the build (model, context, every shard package's
-content hash), the backend, precision and decode shape the K/V were computed with, the tokens,
-and the sha256 of everything else in the file. K/V from another build or another backend would not be
-what this server computes for the same tokens, so such a file is refused, with a message saying
-which: "stale" (an earlier build of the same model), "foreign" (another model or context), or
-computed elsewhere. Every size comes from this server's own layout, never from the file, and
-only names matching NAME_PATTERN inside the save directory are read or written.
+Layout: MAGIC, an 8-byte little-endian header length, the header (JSON), then the arrays' bytes in
+`StateLayout` order. The header names the build (model, context, every shard package's content
+hash), the backend, precision and decode shape the K/V were computed with, the tokens, and the
+sha256 of everything else in the file. K/V from another build or another backend would not be what
+this server computes for the same tokens, so such a file is refused, with a message saying which:
+"stale" (an earlier build of the same model), "foreign" (another model or context), or computed
+elsewhere. Every size comes from this server's own layout, never from the file, and only names
+matching NAME_PATTERN inside the save directory are read or written.
 
 The folder is treated as hostile too: files are opened with O_NOFOLLOW | O_NONBLOCK and read
 only when fstat says they are regular files (a symlink is refused, a FIFO cannot block the

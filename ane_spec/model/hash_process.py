@@ -1,12 +1,12 @@
 """A GGUF's content hashes, taken by a child process that `ane-spec build` starts first thing.
 
 The build's first seconds are one core importing coremltools and torch (~3 s on the 2-core dev
-machine) while the other has nothing to do. Hashing a 4 GB file was ~3 s of CPU with sha256
-(~1 with BLAKE3 now: content_digest.py), XXH3 of each tensor beside. A thread cannot take that idle core: the hashing loop's Python
-fought the imports for the GIL, and the build got slower (measured twice, issue 33's notes). A
-process has a GIL of its own and needs only numpy and the GGUF reader (~0.4 s to import), so it
-hashes while the parent imports, and the build's busiest stretch (the first shard's conversion
-beside the calibration) no longer shares its two cores with the hashing.
+machine) while the other has nothing to do. Hashing a 4 GB file was ~3 s of CPU with sha256 (~1
+with BLAKE3 now: content_digest.py), XXH3 of each tensor beside. A thread cannot take that idle
+core: the hashing loop's Python fought the imports for the GIL, and the build got slower (measured
+twice, issue 33's notes). A process has a GIL of its own and needs only numpy and the GGUF reader
+(~0.4 s to import), so it hashes while the parent imports, and the build's busiest stretch (the
+first shard's conversion beside the calibration) no longer shares its two cores with the hashing.
 
 The child hashes the file at its path, which may have been replaced in between, so it reports
 the identity (device, inode, size, mtime) of what it hashed and checks it again at the end;

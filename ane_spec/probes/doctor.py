@@ -338,9 +338,9 @@ def check_mask_ops(run: DoctorRun) -> Verdict:
     if run.build is not None:  # the build's own plan says where its ops go
         from ane_spec.shards.static_checks import read_package_facts
 
-        label, shard, sha = run.packages()[0]
+        label, shard, digest = run.packages()[0]
         run.progress(f"compute plan of {label} (mask ops)")
-        where = mask_ops.placements(residency_report(shard, "CPU_AND_NE", digest=sha),
+        where = mask_ops.placements(residency_report(shard, "CPU_AND_NE", digest=digest),
                                     set(read_package_facts(shard).ops))
         source = dict.fromkeys(where, label)
     form, reason = mask_ops.recommend(results, where, built=run.build is not None)
@@ -368,9 +368,9 @@ def check_residency(run: DoctorRun) -> Verdict:
 
     per_package = {}  # "shard 0-1", "shard 0-1 prefill", ..., "head": one per function
     packages = run.packages()
-    for label, path, sha in packages:
+    for label, path, digest in packages:
         run.progress(f"compute plan of {label}")
-        for r in residency_reports(path, "CPU_AND_NE", digest=sha, strict=run.strict):
+        for r in residency_reports(path, "CPU_AND_NE", digest=digest, strict=run.strict):
             per_package[label if r.function == "main" else f"{label} {r.function}"] = r
     undetermined = next((r.undetermined for r in per_package.values() if r.undetermined), None)
     if undetermined:  # the plan loaded and its structure was read; placement is unknown
@@ -635,10 +635,10 @@ def _reported_placements(run: DoctorRun) -> dict[str, str]:
     from ane_spec.runtime.coreml_backend import compile_package, optimization_hints
 
     found = {}
-    for label, path, sha in run.packages():
+    for label, path, digest in run.packages():
         run.progress(f"loading {label} with reshapeFrequency {run.reshape_frequency}")
         model = ct.models.CompiledMLModel(
-            str(compile_package(path, sha)), ct.ComputeUnit.CPU_AND_NE,
+            str(compile_package(path, digest)), ct.ComputeUnit.CPU_AND_NE,
             optimization_hints=optimization_hints(run.reshape_frequency))
         found[label] = str(getattr(getattr(model, "_proxy", None), "placement", "not reported"))
         del model

@@ -2,9 +2,9 @@
 
 A build with nothing to reuse needs the hashes only when it writes the first shard's fingerprint.
 Hashing a 4 GB file was ~5 s (sha256 of the file then, BLAKE3 now, XXH3 of each tensor; each
-releases the GIL for every 64 MB block), which the building thread used to spend itself, between the first
-shard's conversion and its program; beside it, the second core does it while the first converts
-(issue 33's build cost). A build that fails or is interrupted stops the thread at its next
+releases the GIL for every 64 MB block), which the building thread used to spend itself, between
+the first shard's conversion and its program; beside it, the second core does it while the first
+converts (issue 33's build cost). A build that fails or is interrupted stops the thread at its next
 block and waits for it, so no hashing outlives the build.
 """
 
