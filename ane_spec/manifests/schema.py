@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from ane_spec.content_digest import Digest
 from ane_spec.model.config import ModelConfig
 from ane_spec.model.rope import RopeSpec
 from ane_spec.model.swa_ring import ring_rows
@@ -100,7 +101,7 @@ class _Digested(_Strict):
         return {**fields, **{k: v for k, v in digests.items() if v is not None}}
 
     @property
-    def algorithm(self) -> Literal["blake3", "sha256"]:
+    def algorithm(self) -> Digest:
         return "blake3" if self.blake3 is not None else "sha256"
 
     @property
