@@ -58,8 +58,8 @@ MAX_PATH_CHARS = 1024
 MAX_HEAD_PACKAGES = 256
 
 Dim = Annotated[int, Field(ge=1)] | Literal["T"]
-Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
-Blake3 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]   # BLAKE3's default 256-bit output
+# 256-bit content hashes as hex: sha256's, and BLAKE3's default output length.
+Sha256 = Blake3 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 Count = Annotated[int, Field(ge=1)]
 
 

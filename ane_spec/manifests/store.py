@@ -172,7 +172,7 @@ def _read_direct(fd: int, buffer: mmap.mmap) -> int:
 
 def file_ref(root: Path, path: Path, *, uncached: bool = False,
              known: Mapping[str, Callable[[Hasher], int]] | None = None) -> FileRef:
-    size, digest = hash_path(path, algorithm=DIGEST, uncached=uncached, known=known)
+    size, digest = hash_path(path, uncached=uncached, known=known)
     return FileRef(path=path.relative_to(root).as_posix(), bytes=size, **{DIGEST: digest})
 
 
