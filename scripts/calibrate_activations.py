@@ -15,7 +15,7 @@ import sys
 from ane_spec.model.activation_range import margin, measure_activations
 from ane_spec.model.gguf_file import open_gguf
 from ane_spec.model.resolve import resolve_model
-from ane_spec.shards.residual_scale import SAFETY, choose_log2
+from ane_spec.shards.scale_decision import SAFETY, choose_log2
 
 
 def main(argv: list[str] | None = None) -> int:

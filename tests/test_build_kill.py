@@ -157,10 +157,10 @@ def test_killed_between_the_two_steps_of_the_swap(gguf: Path, tmp_path: Path, sy
 def test_killed_while_calibrating_beside_the_conversion(gguf: Path, tmp_path: Path,
                                                       system_tmp: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """A build calibrating in its helper thread (scale_aside.py, as a 3.8B model's build does)
+    """A build calibrating in its child process (scale_aside.py, as a 3.8B model's build does)
     killed while it calibrates and converts (the first time with no previous build, then with
-    one): the next build cleans up and leaves nothing behind. The calibration is a thread of
-    the build, so nothing of it outlives the kill."""
+    one): the next build cleans up and leaves nothing behind (the child ends by itself once
+    its build is gone: test_scale_aside.py)."""
     from ane_spec.shards import scale_aside
 
     monkeypatch.setattr(scale_aside, "ASIDE_MIN_PARAMETERS", 0)   # the fork inherits it
@@ -168,7 +168,7 @@ def test_killed_while_calibrating_beside_the_conversion(gguf: Path, tmp_path: Pa
     for _ in range(2):
         proc = ForkedBuild([str(gguf), "--out", str(out), "--max-seq", "64", "--force"],
                            system_tmp)
-        proc.wait_for("[build] calibrating activations beside the conversion")
+        proc.wait_for("[build] calibrating activations in a child process")
         time.sleep(RNG.uniform(0.0, 1.5))
         proc.kill()
         assert proc.wait() in (-signal.SIGKILL, 0)
@@ -194,7 +194,7 @@ import os, sys
 from ane_spec.shards import scale_aside
 from ane_spec.shards.build import BuildRequest, build
 path, out, aside = sys.argv[1], sys.argv[2], sys.argv[3] == "aside"
-if aside:  # what a large model gets: calibration and hashing in helper threads
+if aside:  # what a large model gets: calibration in a child process, hashing in a thread
     scale_aside.ASIDE_MIN_PARAMETERS = 0
 def progress(msg):
     if msg.startswith("hashing"):
@@ -207,7 +207,8 @@ build(path, out, BuildRequest(max_seq=64), progress=progress)
 def test_gguf_shrinking_under_the_build_is_one_line(gguf: Path, tmp_path: Path,
                                                     order: str) -> None:
     """The reads fault (SIGBUS) on the memory map: one line, status 2, nothing left; also when
-    the faulting read is a helper thread's (the calibration's, or the hashing beside it)."""
+    the faulting read is the hashing thread's beside the build, or the calibrating child's
+    (which ends, and the build calibrates and faults itself)."""
     victim = tmp_path / "victim.gguf"
     victim.write_bytes(gguf.read_bytes())
     out = tmp_path / "art"

@@ -27,13 +27,8 @@ from ane_spec.runtime.fp16_argmax import NonFiniteLogits
 from ane_spec.runtime.mil_backend import MILBackend
 from ane_spec.runtime.pipeline import ShardPipeline, prefill_logits
 from ane_spec.shards.build import BuildRequest, build
-from ane_spec.shards.residual_scale import (
-    SAFETY,
-    choose_log2,
-    parse_residual_scale,
-    scale_conv_weight,
-    scale_fp16,
-)
+from ane_spec.shards.residual_scale import scale_conv_weight, scale_fp16
+from ane_spec.shards.scale_decision import SAFETY, choose_log2, parse_residual_scale
 from ane_spec.shards.weights import convert_matrix
 from tests.gguf_edit import rewrite_gguf
 
@@ -337,22 +332,22 @@ def test_a_decision_open_for_good_ends_the_first_part_at_that_layer(
 
 def test_the_build_calibration_stops_its_first_part_where_the_stop_is_refused(
         tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """residual_scale.calibrate hands `measure_activations` the stop's own rule, negated: a
+    """scale_decision.calibrate hands `measure_activations` the stop's own rule, negated: a
     bound no peak can meet ends the first part at the first layer."""
     from ane_spec.model.activation_range import measure_activations
-    from ane_spec.shards import residual_scale
+    from ane_spec.shards import scale_decision
 
     model = open_gguf(tiny_gguf)
-    monkeypatch.setattr(residual_scale, "SETTLED_HEADROOM", 1e12)
+    monkeypatch.setattr(scale_decision, "SETTLED_HEADROOM", 1e12)
     said: list[str] = []
-    ranges = residual_scale.calibrate(model, "auto", said.append)
+    ranges = scale_decision.calibrate(model, "auto", said.append)
     assert any("leave the decision open by layer 1;" in m for m in said)
     assert [vars(r) for r in ranges.layers] == [vars(r) for r in measure_activations(model).layers]
 
 
 def test_the_calibration_stops_early_only_far_from_the_bound() -> None:
     from ane_spec.model.activation_range import ActivationRanges, LayerRange
-    from ane_spec.shards.residual_scale import SAFETY, SETTLED_HEADROOM, settled
+    from ane_spec.shards.scale_decision import SAFETY, SETTLED_HEADROOM, settled
 
     def ranges(residual: float, ffn: float) -> ActivationRanges:
         return ActivationRanges([LayerRange(residual, ffn, 1.0)], prompts=5, tokens=40,

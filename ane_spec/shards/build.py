@@ -13,12 +13,14 @@ read (SIGBUS, which would kill the process without a word) ends the build with o
 no temporary folder. Tensors are checked to be finite as they are converted (weights.py).
 
 Order of work: the residual scale needs a calibration (the fp32 reference over every layer,
-residual_scale.py), but a shard's weights convert the same whatever it decides, since the factor
+scale_decision.py), but a shard's weights convert the same whatever it decides, since the factor
 is folded into them afterwards. On a model of scale_aside.ASIDE_MIN_PARAMETERS or more the
-calibration runs in a helper thread while the first shard's weights convert (scale_aside.py);
-the build waits for the decision before folding, before a shard's program, and before reusing
-a package of the previous build (fingerprints hold k). Each shard's line says how long it
-waited, and which functions its package holds.
+calibration runs in a child process beside the build (calibration_process.py), and the shards
+are folded at the k the build can assume until it decides (scale_aside.py): a decision that
+differs makes them again. The build waits for the decision before reusing a package of the
+previous build (fingerprints hold k), before the LM head and before the manifest. Each shard's
+line says how long it waited, the k it was folded at before the decision, and which functions
+its package holds.
 """
 
 from __future__ import annotations
@@ -198,8 +200,8 @@ def build(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
     """Build all artifacts for `gguf_path` into `out_dir` (see module docstring).
 
     `variant` exists only for the gates' tests, which need deliberately broken builds.
-    `calibrate_aside`: decide the residual scale beside the first shard's conversion (True),
-    before it (False), or by the model's size (None: scale_aside.py).
+    `calibrate_aside`: decide the residual scale in a child process beside the build (True),
+    before the conversion in this one (False), or by the model's size (None: scale_aside.py).
     `hashes_ahead`: the file's hashes, being taken by a child process the caller started
     before importing this module (hash_process.py); the caller closes it.
     """
@@ -318,18 +320,29 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
             pending.relay()
         return hashes
 
-    # Written by the helper as soon as the residual scale is known, while the building thread
-    # makes the packages: beside the first shard's MIL program, which leaves a core idle.
+    # Written by the helper as soon as the residual scale is known or assumed, while the
+    # building thread makes the packages; again should the decision differ from the assumption.
     embeddings: Future[tuple[EmbeddingsEntry, int]] | None = None
+    embeddings_log2: int | None = None
+
+    def embed_at(log2: int) -> None:
+        nonlocal embeddings, embeddings_log2
+        if embeddings_log2 == log2:
+            return
+        if embeddings is not None:   # made at an assumption the decision did not keep
+            embeddings.exception()
+            shutil.rmtree(tmp / "embeddings")
+        embeddings_log2 = log2
+        embeddings = finishing.run(functools.partial(_write_embeddings, model, tmp, log2))
 
     def decided() -> ResidualScale:
-        nonlocal residual, embeddings
+        nonlocal residual
         if residual is None:
             residual = pending.result()
             freeze_more()   # torch's modules, imported by the calibration, are long-lived too
             say(describe_residual_scale(residual)[0])
-            embeddings = finishing.run(functools.partial(_write_embeddings, model, tmp,
-                                                         residual.log2_factor))
+            if embeddings is None:
+                embed_at(residual.log2_factor)
         return residual
 
     # Reuse needs the fingerprints (tensor hashes) first; a build with nothing to reuse and a
@@ -339,12 +352,50 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
         hashed()
     if not pending.aside:
         decided()
-    shards = []
+    made_at: dict[str, int] = {}   # the k each shard built here was folded at
+
+    def shard_log2() -> int:
+        """The k to fold a shard at: the decision where it is known (or must be waited for:
+        no assumption), else the assumption (scale_aside.py)."""
+        if residual is None and (pending.known or pending.assumed is None):
+            decided()
+        if residual is not None:
+            return residual.log2_factor
+        embed_at(pending.assumed)
+        return pending.assumed
+
+    def make_shard(a: int, b: int, label: str, rel: str,
+                   fingerprint: Callable[[int], str]) -> Future[ShardEntry]:
+        t0, waited = time.monotonic(), pending.waited
+        choices: dict[str, TensorChoice] = {}
+        if residual is None and pending.assumed is not None:
+            embed_at(pending.assumed)
+        with pending.converting():
+            layers = _convert_layers(model, request, a, b, choices, pending.relay)
+        hashed()
+        log2 = shard_log2()
+        fold = FoldCount()
+        built = _build_shard(model, request, a, b, layers, choices, tmp, rel, fingerprint(log2),
+                             variant, log2, fold, finishing)
+        made_at[rel], inexact[rel] = log2, fold.inexact
+        waiting = pending.waited - waited
+        say(f"{label}: built in {time.monotonic() - t0:.1f}s"
+            + (f" ({waiting:.1f}s of it waiting for the calibration)" if waiting >= 0.1
+               else "")
+            + f", {built.bytes / 2**20:,.1f} MiB, functions {built.functions}, "
+            f"{_format_counts(built.quant)}, worst weight cosine "
+            f"{built.quant.worst_cosine:.6f}"
+            + ("" if residual is not None else f"; folded at 2^{log2} until decided"))
+        return built.entry
+
+    inexact: dict[str, int] = {}   # per package: values its fold could not scale exactly
+    shards: dict[str, Future[ShardEntry]] = {}
+    remake: dict[str, Callable[[], Future[ShardEntry]]] = {}
     for n, (a, b) in enumerate(ranges):
         label = f"shard {n + 1}/{len(ranges)} layers [{a},{b})"
         names = [t for i in range(a, b) for t in layer_tensor_names(model.config, i)]
 
-        def fingerprint(log2: int) -> str:
+        def fingerprint(log2: int, a: int = a, b: int = b, names: list[str] = names) -> str:
             return _fingerprint(options, request, ("layers", a, b), hashed()[1], model, names,
                                 variant, log2)
 
@@ -359,34 +410,30 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
         if entry is not None:
             say(f"{label}: unchanged, reused")
             result.reused.append(rel)
-            residual.inexact_values[rel] = previous.inexact.get(rel, 0)
-            shards.append(done(entry))
+            inexact[rel] = previous.inexact.get(rel, 0)
+            shards[rel] = done(entry)
         else:
-            t0, waited = time.monotonic(), pending.waited
-            choices: dict[str, TensorChoice] = {}
-            layers = _convert_layers(model, request, a, b, choices, pending.relay)
-            hashed()
-            log2 = decided().log2_factor
-            fold = FoldCount()
-            built = _build_shard(model, request, a, b, layers, choices, tmp, rel,
-                                 fingerprint(log2), variant, log2, fold, finishing)
-            residual.inexact_values[rel] = fold.inexact
-            waiting = pending.waited - waited
-            say(f"{label}: built in {time.monotonic() - t0:.1f}s"
-                + (f" ({waiting:.1f}s of it waiting for the calibration)" if waiting >= 0.1
-                   else "")
-                + f", {built.bytes / 2**20:,.1f} MiB, functions {built.functions}, "
-                f"{_format_counts(built.quant)}, worst weight cosine "
-                f"{built.quant.worst_cosine:.6f}")
+            remake[rel] = functools.partial(make_shard, a, b, label, rel, fingerprint)
+            shards[rel] = remake[rel]()
             result.built.append(rel)
-            shards.append(built.entry)
         model.check_unchanged()
         pending.relay()
-        _raise_if_failed(embeddings, *shards)
+        _raise_if_failed(embeddings, *shards.values())
 
-    weight_memory.trim()   # the layers' buffers: the head's chunks are larger
     residual = decided()  # a build of reused shards only (or of none) has not asked yet
     log2 = residual.log2_factor
+    stale = [rel for rel, k in made_at.items() if k != log2]
+    if stale:
+        say(f"residual scale: the calibration chose 2^{log2}; building the {len(stale)} "
+            f"shard(s) folded at the assumed 2^{made_at[stale[0]]} again")
+        for rel in stale:
+            shards[rel].exception()   # its helper jobs are done with its files
+            shutil.rmtree(tmp / rel)
+            shards[rel] = remake[rel]()
+            _raise_if_failed(embeddings, *shards.values())
+    residual.inexact_values.update(inexact)
+    embed_at(log2)
+    weight_memory.trim()   # the layers' buffers: the head's chunks are larger
     source_digest, tensor_sha = hashed()
     chunks = head_chunk_bounds(model.config.vocab_size, request.head_chunks, request.head_argmax)
     if len(head_plan) > 1:
@@ -423,7 +470,7 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
             result.built.append(rel)
             heads.append(built.entry)
         model.check_unchanged()
-        _raise_if_failed(embeddings, *shards, *heads)
+        _raise_if_failed(embeddings, *shards.values(), *heads)
     shutil.rmtree(_converter_tmp(tmp), ignore_errors=True)
     weight_memory.trim()   # the head's: nothing after it converts a matrix
 
@@ -445,7 +492,7 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
         rope_local=(model.rope_spec(request.max_seq, local=True)
                     if model.config.has_local_layers else None),
         embeddings=embeddings_entry, residual_scale=residual,
-        shards=[s.result() for s in shards], heads=[h.result() for h in heads])
+        shards=[s.result() for s in shards.values()], heads=[h.result() for h in heads])
     write_manifest(manifest, tmp)
     result.summary = (quant_summary(manifest) + ring_summary(manifest)
                       + kv_write_summary(manifest) + describe_residual_scale(residual))

@@ -318,8 +318,9 @@ def requant_threads() -> int:
 
 @contextlib.contextmanager
 def core_taken() -> Iterator[None]:
-    """Work that keeps a core busy beside the conversion (the residual scale's calibration,
-    scale_aside.py) holds it for the block: the requantization then runs on the cores left.
+    """Work that keeps a core busy beside the conversion (the residual scale's calibration, in
+    its child process: scale_aside.py) holds it for the block: the requantization then runs
+    on the cores left.
     Three compute threads on two cores took turns on each core's cache: a Phi-4-mini build's
     requantization and calibration together cost ~2 CPU s more than with one requantization
     thread beside the calibration (seven alternating pairs, median 35.7 against 33.5 CPU s)."""
