@@ -41,7 +41,6 @@ MAX_ABS_LOG2 = 12
 SETTLED_HEADROOM = 16.0
 
 
-
 def parse_residual_scale(text: str) -> str:
     """`auto`, `off` or `2^K` (K an integer, |K| <= MAX_ABS_LOG2); returns it normalised."""
     text = text.strip()
@@ -71,8 +70,6 @@ def requested_log2(setting: str, ranges: ActivationRanges | None) -> int:
             raise ValueError("auto needs a calibration")
         return choose_log2(ranges)
     return int(parse_residual_scale(setting).removeprefix("2^"))
-
-
 
 
 def calibrate(model: GGUFModel, setting: str, say: Callable[[str], None],
