@@ -297,6 +297,26 @@ def test_a_child_that_fails_is_replaced_by_the_calibration_here(overflowing_gguf
     assert _package_contents(tmp_path / "art") == _package_contents(tmp_path / "serial")
 
 
+def test_a_stuck_child_is_abandoned(overflowing_gguf: Path, tmp_path: Path,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forked child that stops using CPU while the build waits for it (here: it sleeps, as
+    one deadlocked on a lock inherited from another thread would) is killed after
+    STALLED_SECONDS, and the build calibrates itself instead of waiting for ever."""
+    monkeypatch.setattr(calibration_process, "START_METHOD", "fork")
+    monkeypatch.setattr(scale_aside, "STALLED_SECONDS", 1.0)
+    monkeypatch.setattr(calibration_process, "_calibrate", lambda *args: time.sleep(600))
+    children = _Children(monkeypatch)
+    said: list[str] = []
+    started = time.monotonic()
+    build(overflowing_gguf, tmp_path / "art", REQUEST, calibrate_aside=True,
+          progress=said.append)
+    assert time.monotonic() - started < 120
+    assert ("calibrating activations here (the calibration process is unusable: it made no "
+            "progress for 1 s)") in said
+    assert [p.returncode for p in children.procs] == [-signal.SIGKILL]
+    assert load_manifest(tmp_path / "art").manifest.residual_scale.log2_factor < 0
+
+
 def test_a_child_that_read_another_file_is_not_believed(overflowing_gguf: Path,
                                                         tiny_gguf: Path, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch

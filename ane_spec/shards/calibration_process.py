@@ -36,6 +36,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import IO, TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -115,6 +116,23 @@ class CalibrationChild:
         """Whether the child has ended (`result` would not wait)."""
         return self._proc is None or self._proc.poll() is not None
 
+    def cpu_seconds(self) -> float | None:
+        """The CPU time the running child has used, where the system tells (Linux's /proc,
+        where the child is forked); None elsewhere, or once it has ended."""
+        if self._proc is None:
+            return None
+        try:
+            stat = Path(f"/proc/{self._proc.pid}/stat").read_text()
+        except OSError:
+            return None
+        fields = stat.rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def abandon(self, why: str) -> None:
+        """Kill the child; `result` then gives None, and `why_not` says `why`."""
+        self.close()
+        self.why_not = why
+
     def messages(self) -> list[str]:
         out = []
         while True:
@@ -129,7 +147,7 @@ class CalibrationChild:
         own line where the calibration itself failed."""
         proc, self._proc = self._proc, None
         if proc is None:
-            self.why_not = "it was stopped"
+            self.why_not = self.why_not or "it was stopped"
             return None
         proc.wait()
         for t in self._readers:

@@ -56,6 +56,11 @@ Progress = Callable[[str], None]
 ASIDE_MIN_PARAMETERS = 200_000_000
 # How often the building thread says the child's progress while it waits for the decision.
 RELAY_SECONDS = 0.1
+# A child whose CPU time has not moved for this long while the build waits is stuck, not slow:
+# it never sleeps or waits on anything but a pipe the build drains. The one way known to get
+# there is a fork taken while another thread of the caller held a native lock (the build forks
+# before starting threads of its own): the child is killed and the build calibrates itself.
+STALLED_SECONDS = 30.0
 
 
 class PendingScale:
@@ -111,10 +116,17 @@ class PendingScale:
     def _from_child(self) -> ActivationRanges | None:
         child = self._child
         assert child is not None
-        started = time.monotonic()
+        started = last_change = time.monotonic()
+        last_cpu = child.cpu_seconds()
         while not child.done():
             self.relay()
             time.sleep(RELAY_SECONDS)
+            cpu, now = child.cpu_seconds(), time.monotonic()
+            if cpu is None or cpu != last_cpu:
+                last_cpu, last_change = cpu, now
+            elif now - last_change > STALLED_SECONDS:
+                child.abandon(f"it made no progress for {STALLED_SECONDS:g} s")
+                break
         self.relay()
         self.waited += time.monotonic() - started
         try:
