@@ -83,6 +83,7 @@ from ane_spec.model.swa_ring import kv_state_bytes, ring_rows, uses_ring
 from ane_spec.shards.embeddings import write_embeddings
 from ane_spec.shards.frozen_heap import freeze_more, frozen_heap
 from ane_spec.shards import scale_aside
+from ane_spec.shards.scale_decision import parse_residual_scale
 from ane_spec.shards.hash_aside import HashAside
 from ane_spec.shards.finish_aside import FinishAside, done
 from ane_spec.shards import weight_memory
@@ -90,12 +91,7 @@ from ane_spec.shards.weight_memory import reused_weight_memory, small_pages
 from ane_spec.shards.kv_traffic import format_bytes, kv_traffic
 from ane_spec.shards.layer_graph import CORRECT, GraphVariant, LayerWeights, Layout, MaskForm
 from ane_spec.shards.layer_weights import finite_vector, layer_tensor_names, layer_weights
-from ane_spec.shards.residual_scale import (
-    FoldCount,
-    fold_into_layer,
-    parse_residual_scale,
-    stream_eps,
-)
+from ane_spec.shards.residual_scale import FoldCount, fold_into_layer, stream_eps
 from ane_spec.shards.output_dir import OutputLock, building_dir, recover, swap_into_place
 from ane_spec.shards.conversion_passes import PendingWeights, wait_whole
 from ane_spec.shards.programs import (
@@ -341,8 +337,7 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
             residual = pending.result()
             freeze_more()   # torch's modules, imported by the calibration, are long-lived too
             say(describe_residual_scale(residual)[0])
-            if embeddings is None:
-                embed_at(residual.log2_factor)
+            embed_at(residual.log2_factor)
         return residual
 
     # Reuse needs the fingerprints (tensor hashes) first; a build with nothing to reuse and a
@@ -361,6 +356,8 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
             decided()
         if residual is not None:
             return residual.log2_factor
+        # Not before the first conversion: a build whose file shrinks under it is cleaned up by
+        # a SIGBUS handler that cannot stop a thread writing the embeddings' folder meanwhile.
         embed_at(pending.assumed)
         return pending.assumed
 
@@ -368,8 +365,6 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
                    fingerprint: Callable[[int], str]) -> Future[ShardEntry]:
         t0, waited = time.monotonic(), pending.waited
         choices: dict[str, TensorChoice] = {}
-        if residual is None and pending.assumed is not None:
-            embed_at(pending.assumed)
         with pending.converting():
             layers = _convert_layers(model, request, a, b, choices, pending.relay)
         hashed()
@@ -432,7 +427,6 @@ def _build_with(model: GGUFModel, request: BuildRequest, ranges: list[tuple[int,
             shards[rel] = remake[rel]()
             _raise_if_failed(embeddings, *shards.values())
     residual.inexact_values.update(inexact)
-    embed_at(log2)
     weight_memory.trim()   # the layers' buffers: the head's chunks are larger
     source_digest, tensor_sha = hashed()
     chunks = head_chunk_bounds(model.config.vocab_size, request.head_chunks, request.head_argmax)

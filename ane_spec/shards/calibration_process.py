@@ -149,10 +149,7 @@ class CalibrationChild:
         if proc is None:
             self.why_not = self.why_not or "it was stopped"
             return None
-        proc.wait()
-        for t in self._readers:
-            t.join()
-        proc.stdin.close()   # type: ignore[union-attr]
+        self._reap(proc)
         final = self._final
         if final is not None and final.error is not None:
             raise CalibrationFailed(final.error)
@@ -172,10 +169,14 @@ class CalibrationChild:
         proc, self._proc = self._proc, None
         if proc is not None:
             proc.kill()
-            proc.wait()
-            for t in self._readers:
-                t.join()
-            proc.stdin.close()   # type: ignore[union-attr]
+            self._reap(proc)
+
+    def _reap(self, proc: _Forked | subprocess.Popen[bytes]) -> None:
+        """Wait for the ended (or killed) child and for its readers to reach end of file."""
+        proc.wait()
+        for t in self._readers:
+            t.join()
+        proc.stdin.close()   # type: ignore[union-attr]
 
     def __enter__(self) -> CalibrationChild:
         return self

@@ -34,7 +34,6 @@ not bit-identical ones (tests/test_residual_scale.py shows bit-identity with a n
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -44,7 +43,7 @@ from ane_spec.manifests.schema import ActivationCalibration, LayerActivations, R
 from ane_spec.model.activation_range import FP16_MAX, ActivationRanges, margin
 from ane_spec.model.gguf_file import GGUFModel
 from ane_spec.shards.layer_graph import LayerWeights
-from ane_spec.shards.scale_decision import calibrate, parse_residual_scale, requested_log2
+from ane_spec.shards.scale_decision import requested_log2
 from ane_spec.shards.weights import ConvWeight
 
 # LayerWeights fields whose output is added into the residual stream, per architecture
@@ -124,14 +123,6 @@ def fold_into_layer(w: LayerWeights, arch: str, eps: float, log2: int, layer: in
         else:  # a post-norm weight (fp32 here, rounded to fp16 by the graph)
             changes[name] = np.ldexp(np.asarray(value, np.float32), log2)
     return replace(w, **changes), count
-
-
-def decide(model: GGUFModel, setting: str, say: Callable[[str], None]) -> ResidualScale:
-    """The build's residual scale: calibrate (unless `off`), choose or take k, and record the
-    margins as the fp16 program will hold them. `inexact_values` is filled in as the build
-    folds."""
-    setting = parse_residual_scale(setting)
-    return record(model, setting, calibrate(model, setting, say))
 
 
 def record(model: GGUFModel, setting: str, ranges: ActivationRanges | None) -> ResidualScale:
