@@ -4,7 +4,7 @@ A package's manifest entry needs the hash of everything in it (store.hash_path):
 real-size Phi-4-mini, 3.7 GB and ~3.6 s of the building thread, during which the second core
 had nothing to do. The embeddings (0.65 GB written and hashed) need only the residual scale,
 and used to be the build's last 1.5-2.4 s; they start the moment it is decided or assumed
-(scale_aside.py), beside the first shard's conversion. Neither needs anything the next shard's
+(scale_aside.py), beside the first shard's MIL program. Neither needs anything the next shard's
 conversion and MIL program (numpy and Python) make, and the hash, the reads and the writes
 release the GIL: a helper thread does them while the building thread goes on, and their results
 are waited for when the manifest is written.
